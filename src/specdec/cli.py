@@ -1,0 +1,131 @@
+"""Command line: argument parsing -> Engine -> printed output. No logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import SpecdecError
+
+MARK_PLAIN = {"accepted": ("[", "]"), "recovered": ("{", "}"), "bonus": ("<", ">")}
+MARK_COLOUR = {"accepted": ("\033[32m", "\033[0m"), "recovered": ("\033[31m", "\033[0m"), "bonus": ("\033[34m", "\033[0m")}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a continuation of a prompt")
+    gen.add_argument("--prompt", help="prompt text")
+    gen.add_argument("--prompt-ids", help="comma-separated token ids (for models without a tokenizer)")
+    gen.add_argument("--model", default="default", help="HF folder or .gguf file (default: Gemma 3 270M)")
+    gen.add_argument("--drafter", default="none", help="none | ngram | suffix")
+    gen.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
+    gen.add_argument("--draft-length", default="fixed", choices=["fixed", "adaptive"])
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    gen.add_argument("--device", default="cpu", help="cpu | cuda")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--compare", action="store_true", help="run plain and speculative decoding, compare")
+    gen.add_argument("--show-drafts", action="store_true", help="mark accepted [..], recovered {..}, bonus <..>")
+    return parser
+
+
+def _progress(done: int, total: int) -> None:
+    if done == 0:
+        print("specdec: converting the GGUF file once (later loads are fast)...", file=sys.stderr)
+    if total and done % 40 == 0 or done == total:
+        print(f"\r  {done}/{total} tensors", end="\n" if done == total else "", file=sys.stderr, flush=True)
+
+
+def _show_drafts(engine, generation, colour: bool) -> str:
+    marks = MARK_COLOUR if colour else MARK_PLAIN
+    tok = engine.tokenizer
+    pieces = []
+    for step in generation.steps:
+        if step.kind == "prefill":
+            pieces.append(tok.decode([step.next_token]))
+            continue
+        if step.accepted:
+            a, b = marks["accepted"]
+            pieces.append(a + tok.decode(step.accepted) + b)
+        a, b = marks[step.kind]
+        pieces.append(a + tok.decode([step.next_token]) + b)
+    return "".join(pieces)
+
+
+def _generate(args) -> int:
+    from .engine import Engine
+    from .sampling import SamplingParams
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
+    prompt_ids = None
+    if args.prompt_ids:
+        try:
+            prompt_ids = [int(x) for x in args.prompt_ids.split(",")]
+        except ValueError:
+            raise SpecdecError("--prompt-ids must be comma-separated integers") from None
+    if (args.prompt is None) == (prompt_ids is None):
+        raise SpecdecError("give exactly one of --prompt or --prompt-ids")
+    print("specdec: loading the model...", file=sys.stderr)
+    engine = Engine.load(args.model, args.drafter, args.num_speculative_tokens, args.device, args.dtype,
+                         args.draft_length, progress=_progress)
+    kwargs = dict(prompt=args.prompt, prompt_ids=prompt_ids, max_new_tokens=args.max_tokens, sampling=sampling,
+                  stop=args.stop)
+    if args.compare:
+        engine.generate(**{**kwargs, "max_new_tokens": 4})  # warm-up so the first timing is fair
+        plain = engine.generate(**kwargs, speculative=False)
+        spec = engine.generate(**kwargs)
+        result = {
+            "plain": {"text": plain.text, "tokens_per_s": plain.stats.tokens_per_s},
+            "speculative": {"text": spec.text, "tokens_per_s": spec.stats.tokens_per_s,
+                            "stats": spec.stats.as_dict()},
+            "speedup": spec.stats.tokens_per_s / plain.stats.tokens_per_s if plain.stats.tokens_per_s else 0.0,
+            "identical": plain.token_ids == spec.token_ids,
+        }
+        if args.json:
+            print(json.dumps(result))
+            return 0
+        print(f"--- plain ({plain.stats.tokens_per_s:.1f} tokens/s)\n{plain.text}")
+        print(f"--- speculative, drafter {args.drafter} ({spec.stats.tokens_per_s:.1f} tokens/s, "
+              f"mean accepted length {spec.stats.mean_accepted_length:.2f})\n{spec.text}")
+        print(f"--- speedup {result['speedup']:.2f}x; texts identical: {result['identical']}")
+        return 0
+    on_text = (lambda d: print(d, end="", flush=True)) if args.stream and not args.json else None
+    out = engine.generate(**kwargs, on_text=on_text)
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "stats": out.stats.as_dict()}))
+        return 0
+    if args.show_drafts and engine.tokenizer is not None:
+        print(_show_drafts(engine, out, sys.stdout.isatty()))
+    elif on_text is None:
+        print(out.text)
+    else:
+        print()
+    s = out.stats
+    print(f"[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, {s.target_forwards} target forwards, "
+          f"mean accepted length {s.mean_accepted_length:.2f}, finish: {out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _generate(args)
+    except SpecdecError as exc:
+        print(f"specdec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The drafter protocol, its return value, and the adaptive draft-length heuristic.
+
+A drafter guesses the next few tokens cheaply; the engine verifies them against the target. Drafters
+never call `verify` and never touch the target's cache: they see token ids in, token ids out, and
+learn how the last guess went through `feedback`.
+
+Lifecycle of one request, as the engine drives it::
+
+    drafter.begin(prompt_ids)
+    loop:
+        proposal = drafter.propose(context, k)   # context = prompt + every token emitted so far
+        ... verify ...
+        drafter.feedback(num_accepted)
+    drafter.end(output_ids)                      # output_ids = every generated token
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from specdec.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for one step.
+
+    `tokens` may be empty: the engine then does a plain decoding step (the graceful fallback when a
+    lookup drafter finds nothing). `q` holds the draft distribution each token was sampled from, or
+    None for drafters that pick tokens deterministically; verification then treats q as one-hot on
+    the proposed token (so acceptance probability is simply p[token]).
+    """
+
+    tokens: list[int]  # proposed draft tokens, len <= k
+    q: torch.Tensor | None = None  # [len(tokens), vocab] draft probabilities, or None (one-hot)
+
+    def __post_init__(self) -> None:
+        if self.q is not None and (self.q.dim() != 2 or self.q.shape[0] != len(self.tokens)):
+            raise ValueError(
+                f"Proposal.q must have shape [len(tokens)={len(self.tokens)}, vocab], "
+                f"got {tuple(self.q.shape)}"
+            )
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What the engine needs from a drafter. State lives in the drafter object, per request."""
+
+    name: str
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """A new request starts: reset per-request state."""
+        ...
+
+    def propose(self, context: list[int], k: int) -> Proposal:
+        """Propose up to `k` tokens that follow `context` (prompt + all tokens emitted so far)."""
+        ...
+
+    def feedback(self, num_accepted: int) -> None:
+        """How many of the last proposal's tokens the target accepted."""
+        ...
+
+    def end(self, output_ids: list[int]) -> None:
+        """The request finished with these generated tokens."""
+        ...
+
+
+@dataclass
+class AdaptiveDraftLength:
+    """The +2 / -1 draft-length heuristic (as in HF transformers' assisted generation).
+
+    Pure per-request state owned by the engine: after a step where every proposed token was
+    accepted the drafter is doing well, so ask for two more next time (up to `k_max`); after any
+    rejection ask for one fewer (down to 1). A step with nothing proposed (a lookup drafter found no
+    match) says nothing about draft quality, so `k` stays as it is.
+    """
+
+    k: int  # the current draft length; starts at the configured k
+    k_max: int
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.k) or not _is_int(self.k_max) or not 1 <= self.k <= self.k_max:
+            raise InvalidRequestError(
+                f"draft length must satisfy 1 <= k <= k_max, got k={self.k}, k_max={self.k_max}",
+                param="num_speculative_tokens",
+            )
+
+    def next_k(self) -> int:
+        return self.k
+
+    def update(self, num_proposed: int, num_accepted: int) -> None:
+        if not 0 <= num_accepted <= num_proposed:
+            raise ValueError(
+                f"need 0 <= num_accepted <= num_proposed, got {num_accepted}, {num_proposed}"
+            )
+        if num_proposed == 0:
+            return
+        if num_accepted == num_proposed:
+            self.k = min(self.k + 2, self.k_max)
+        else:
+            self.k = max(1, self.k - 1)
+
+
+def common_prefix_length(seen: list[int], context: Sequence[int]) -> int:
+    """Length of the longest common prefix of `seen` and `context`.
+
+    Drafters that index their context incrementally call this to learn where the new tokens begin.
+    The usual case (context = seen + new tokens) is one C-speed slice comparison; only a context that
+    disagrees with what was seen falls back to the Python loop.
+    """
+    m = len(seen)
+    if len(context) >= m:
+        prefix = context[:m]
+        if (prefix if isinstance(prefix, list) else list(prefix)) == seen:
+            return m
+    n = min(m, len(context))
+    i = 0
+    while i < n and seen[i] == context[i]:
+        i += 1
+    return i
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_ngram_range(min_ngram: int, max_ngram: int) -> None:
+    """Shared constructor validation of the lookup drafters."""
+    if not _is_int(min_ngram) or not _is_int(max_ngram) or not 1 <= min_ngram <= max_ngram:
+        raise InvalidRequestError(
+            f"n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, "
+            f"got min_ngram={min_ngram}, max_ngram={max_ngram}",
+            param="min_ngram" if not (_is_int(min_ngram) and min_ngram >= 1) else "max_ngram",
+        )
+
+
+def check_k(k: int) -> None:
+    if not _is_int(k) or k < 0:
+        raise InvalidRequestError(f"draft length k must be an integer >= 0, got {k!r}", param="k")

@@ -1,0 +1,89 @@
+"""Prompt lookup: propose what followed the last earlier occurrence of the context's tail.
+
+Text that quotes or edits its prompt (summaries, code edits, RAG answers) repeats long spans of it.
+If the last n tokens of the context appeared before, the tokens that followed them then are a good
+guess for what follows now, and costs no model call at all.
+
+Index. Searching the context from scratch each step is O(len * n) Python per call. Instead the
+drafter keeps `index: n-gram tuple -> position right after its most recent occurrence`, and on each
+call adds only the n-grams that became complete since the last call. An n-gram is indexed only once
+at least one token follows it (its end position < len(context)), which does two things at once:
+the context's own tail is never in the index, so a lookup of the tail finds an *earlier*
+occurrence; and every hit has a non-empty continuation. Later occurrences overwrite earlier ones, so
+a hit is always the most recent one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specdec.drafters.base import Proposal, check_k, check_ngram_range, common_prefix_length
+
+
+class NgramDrafter:
+    """Prompt-lookup drafter over the current request's context (no cross-request state).
+
+    propose(context, k): for n = max_ngram down to min_ngram, look up the last n tokens of
+    `context`; on the first (longest) hit propose up to k tokens that followed that occurrence,
+    stopping at the end of the context. No hit: an empty Proposal (the engine does a plain step).
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        check_ngram_range(min_ngram, max_ngram)
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self._tokens: list[int] = []  # the context indexed so far
+        # tuple of n tokens (all n in [min_ngram, max_ngram] share one dict: tuples of different
+        # lengths never compare equal) -> position right after its most recent indexed occurrence
+        self._index: dict[tuple[int, ...], int] = {}
+        self._next_end = 0  # n-grams ending before this position (exclusive end) are indexed
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self._reset()
+        self._sync(prompt_ids)
+
+    def propose(self, context: list[int], k: int) -> Proposal:
+        check_k(k)
+        self._sync(context)
+        L = len(self._tokens)
+        if k == 0:
+            return Proposal([])
+        for n in range(min(self.max_ngram, L), self.min_ngram - 1, -1):
+            start = self._index.get(tuple(self._tokens[L - n :]))
+            if start is not None:
+                # start < L by construction of the index; the slice stops at the context's end
+                return Proposal(self._tokens[start : min(start + k, L)])
+        return Proposal([])
+
+    def feedback(self, num_accepted: int) -> None:
+        # Lookup has nothing to tune; the engine's AdaptiveDraftLength handles k.
+        pass
+
+    def end(self, output_ids: list[int]) -> None:
+        # Nothing crosses requests; drop the index now rather than at the next begin.
+        self._reset()
+
+    # -- index maintenance ----------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._tokens = []
+        self._index = {}
+        self._next_end = 0
+
+    def _sync(self, context: Sequence[int]) -> None:
+        """Bring the index up to `context`: add new n-grams, or rebuild if the context diverged."""
+        if common_prefix_length(self._tokens, context) < len(self._tokens):
+            # Not an extension of what we indexed (a new request without begin, or a rollback):
+            # positions stored in the index may point at tokens that no longer exist. Rebuild.
+            self._reset()
+        self._tokens.extend(context[len(self._tokens) :])
+        toks, index = self._tokens, self._index
+        L = len(toks)
+        # Index every n-gram whose exclusive end `e` satisfies e < L (a token follows it), in
+        # increasing e so the most recent occurrence wins.
+        for e in range(self._next_end, L):
+            for n in range(self.min_ngram, min(self.max_ngram, e) + 1):
+                index[tuple(toks[e - n : e])] = e
+        self._next_end = max(self._next_end, L)

@@ -1,0 +1,315 @@
+"""The one decoding loop: prefill, then propose -> verify-forward -> verify -> rollback -> emit.
+
+Plain decoding is the same loop with an empty proposal, so the two cannot drift apart. Every
+emitted token goes through `_Output.push`, which applies EOS, stop strings and max tokens one
+token at a time: a stop inside an accepted run ends the output exactly where plain decoding would.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .drafters import AdaptiveDraftLength, NgramDrafter, SuffixDrafter
+from .drafters.base import Drafter, Proposal
+from .errors import InvalidRequestError, SpecdecError
+from .models import loader
+from .models.transformer import Transformer
+from .sampling import SamplingParams, make_generator, process_logits, sample
+from .tokenizer import Detokenizer, Tokenizer
+from .verify import Verdict, verify_greedy, verify_sampling
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        # bfloat16 halves the bytes read per token; CPUs without native bf16 would emulate it slowly.
+        if device.startswith("cuda"):
+            return torch.bfloat16
+        return torch.bfloat16 if torch.backends.mkldnn.is_available() and _cpu_has_bf16() else torch.float32
+    if dtype not in DTYPES:
+        raise InvalidRequestError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16", "dtype")
+    return DTYPES[dtype]
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(device: str) -> str:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError("--device cuda was asked for but no CUDA device is available", "device")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise InvalidRequestError(f"unknown device {device!r}; choose cpu or cuda", "device")
+    return device
+
+
+def make_drafter(name: str) -> Drafter | None:
+    if name in ("none", "", None):
+        return None
+    if name == "ngram":
+        return NgramDrafter()
+    if name == "suffix":
+        return SuffixDrafter()
+    raise InvalidRequestError(f"unknown drafter {name!r}; choose none, ngram or suffix", "drafter")
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0
+    wall_s: float = 0.0
+    prefill_s: float = 0.0
+    tokens_per_s: float = 0.0
+    drafts: int = 0  # verify steps that had at least one draft token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft index i
+    drafted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """1 + accepted / drafts, as vLLM reports it (tokens per verify step that drafted)."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["acceptance_rate"] = self.acceptance_rate
+        d["mean_accepted_length"] = self.mean_accepted_length
+        return d
+
+
+@dataclass
+class Step:
+    """What one target pass produced, for --show-drafts."""
+
+    accepted: list[int]
+    next_token: int
+    kind: str  # "recovered" | "bonus" | "prefill"
+    drafted: int
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    stats: Stats
+    steps: list[Step]
+
+
+class _Output:
+    """Collects emitted tokens, applying EOS, stop strings and the token limit one token at a time."""
+
+    def __init__(self, tokenizer, eos_ids, stop, max_new_tokens):
+        self.detok = Detokenizer(tokenizer)
+        self.eos_ids = set(eos_ids)
+        self.stop = [s for s in (stop or []) if s]
+        self.max_new = max_new_tokens
+        self.ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.text_end: int | None = None  # cut point of the text when a stop string matched
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        if token in self.eos_ids:
+            self.finish_reason = "stop"
+            return ""
+        delta = self.detok.push(token)
+        if self.stop and delta:
+            text = self.detok.text
+            window = len(delta) + max(len(s) for s in self.stop)
+            hits = [i for s in self.stop if (i := text.find(s, max(0, len(text) - window))) >= 0]
+            if hits:
+                self.text_end = min(hits)
+                self.finish_reason = "stop"
+                emitted_before = len(text) - len(delta)
+                return text[emitted_before : max(emitted_before, self.text_end)]
+        if len(self.ids) >= self.max_new:
+            self.finish_reason = "length"
+        return delta
+
+    @property
+    def text(self) -> str:
+        text = self.detok.text
+        return text if self.text_end is None else text[: self.text_end]
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer | None,
+        drafter: Drafter | None = None,
+        num_speculative_tokens: int = 5,
+        draft_length: str = "fixed",
+    ):
+        if num_speculative_tokens < 1:
+            raise InvalidRequestError("num_speculative_tokens must be >= 1", "num_speculative_tokens")
+        if draft_length not in ("fixed", "adaptive"):
+            raise InvalidRequestError("draft_length must be 'fixed' or 'adaptive'", "draft_length")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.k = num_speculative_tokens
+        self.draft_length = draft_length
+
+    @classmethod
+    def load(
+        cls,
+        target: str = "default",
+        drafter: str = "none",
+        num_speculative_tokens: int = 5,
+        device: str = "cpu",
+        dtype: str = "auto",
+        draft_length: str = "fixed",
+        progress=None,
+    ) -> "Engine":
+        device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, device)
+        made = make_drafter(drafter)
+        model, folder = loader.load(target, torch_dtype, device, progress)
+        return cls(model, Tokenizer.from_folder(folder), made, num_speculative_tokens, draft_length)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        prompt_ids: list[int] | None = None,
+        max_new_tokens: int = 64,
+        sampling: SamplingParams | None = None,
+        stop: str | list[str] | None = None,
+        speculative: bool = True,
+        on_text=None,
+    ) -> Generation:
+        """Generate a continuation. `on_text(delta)` receives text as it is produced (streaming)."""
+        sampling = sampling or SamplingParams()
+        ids = self._prompt_ids(prompt, prompt_ids)
+        if max_new_tokens < 1:
+            raise InvalidRequestError("max_new_tokens must be >= 1", "max_tokens")
+        cfg = self.model.config
+        if len(ids) + max_new_tokens > cfg.max_position:
+            raise InvalidRequestError(
+                f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the model's context of "
+                f"{cfg.max_position} tokens",
+                "max_tokens",
+            )
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        drafter = self.drafter if speculative else None
+        generator = make_generator(sampling.seed, self.device)
+        stats = Stats(prompt_tokens=len(ids))
+        out = _Output(self.tokenizer, cfg.eos_token_ids, stop, max_new_tokens)
+        steps: list[Step] = []
+        emit = on_text or (lambda delta: None)
+        length = AdaptiveDraftLength(self.k, max(self.k, 16)) if self.draft_length == "adaptive" else None
+
+        start = time.perf_counter()
+        cache = self.model.new_cache(1, len(ids) + max_new_tokens + self.k + 1)
+        tokens = torch.tensor([ids], device=self.device)
+        logits, _ = self.model(tokens, torch.arange(len(ids), device=self.device)[None], cache, last_n=1)
+        stats.target_forwards += 1
+        first = self._pick(logits[0], sampling, generator)
+        stats.prefill_s = time.perf_counter() - start
+        steps.append(Step([], first, "prefill", 0))
+        emit(out.push(first))
+        if drafter is not None:
+            drafter.begin(list(ids))
+
+        while out.finish_reason is None:
+            context = ids + out.ids
+            # The last emitted token is not in the cache yet: it leads the verify block.
+            k = min(length.next_k() if length else self.k, max_new_tokens - len(out.ids))
+            proposal = drafter.propose(context, k) if drafter is not None else Proposal([])
+            draft = proposal.tokens[:k]
+            block = [context[-1]] + draft
+            base = len(context) - 1
+            positions = torch.arange(base, base + len(block), device=self.device)[None]
+            logits, _ = self.model(torch.tensor([block], device=self.device), positions, cache)
+            stats.target_forwards += 1
+            verdict = self._verify(logits[0], proposal, draft, sampling, generator)
+            # Roll back: keep the lead token and the accepted drafts; the verdict's next token
+            # leads the following block.
+            cache.truncate(base + 1 + verdict.num_accepted)
+            self._count(stats, len(draft), verdict.num_accepted)
+            if drafter is not None:
+                drafter.feedback(verdict.num_accepted)
+            if length is not None and draft:
+                length.update(len(draft), verdict.num_accepted)
+            steps.append(Step(list(verdict.accepted), verdict.next_token, verdict.kind, len(draft)))
+            for token in verdict.tokens:
+                emit(out.push(token))
+                if out.finish_reason is not None:
+                    break
+
+        if drafter is not None:
+            drafter.end(list(out.ids))
+        stats.wall_s = time.perf_counter() - start
+        stats.new_tokens = len(out.ids)
+        decode_s = stats.wall_s - stats.prefill_s
+        stats.tokens_per_s = (stats.new_tokens - 1) / decode_s if decode_s > 0 and stats.new_tokens > 1 else 0.0
+        return Generation(out.ids, out.text, out.finish_reason, stats, steps)
+
+    def _prompt_ids(self, prompt, prompt_ids) -> list[int]:
+        if (prompt is None) == (prompt_ids is None):
+            raise InvalidRequestError("give exactly one of prompt or prompt_ids", "prompt")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass prompt_ids", "prompt")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt_ids)
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise InvalidRequestError("prompt_ids is empty", "prompt")
+        if any(not isinstance(i, int) or i < 0 or i >= vocab for i in ids):
+            raise InvalidRequestError(f"prompt_ids must be integers in [0, {vocab})", "prompt")
+        return ids
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
+        # logits: [1, vocab] (the last position)
+        if sampling.greedy:
+            return int(logits[-1].argmax())
+        return int(sample(process_logits(logits[-1], sampling), generator))
+
+    @staticmethod
+    def _verify(logits, proposal: Proposal, draft, sampling, generator) -> Verdict:
+        # logits: [len(draft) + 1, vocab]
+        if sampling.greedy:
+            return verify_greedy(logits, draft)
+        q = None if proposal.q is None else proposal.q[: len(draft)]
+        return verify_sampling(process_logits(logits, sampling), q, draft, generator)
+
+    @staticmethod
+    def _count(stats: Stats, drafted: int, accepted: int) -> None:
+        if not drafted:
+            return
+        stats.drafts += 1
+        stats.draft_tokens += drafted
+        stats.accepted_tokens += accepted
+        while len(stats.drafted_per_position) < drafted:
+            stats.drafted_per_position.append(0)
+            stats.accepted_per_position.append(0)
+        for i in range(drafted):
+            stats.drafted_per_position[i] += 1
+            if i < accepted:
+                stats.accepted_per_position[i] += 1
+
+
+__all__ = ["Engine", "Generation", "Stats", "SpecdecError"]

@@ -1,0 +1,87 @@
+"""A preallocated key/value cache written at explicit slots.
+
+Layout per layer: keys and values `[batch, kv_heads, capacity, head_dim]`. Each batch row has its
+own fill length (`lengths[b]`) and each slot remembers the position (`positions[b, s]`) that was
+written into it, which is what the sliding-window layers need: a query at position `t` may see a
+slot at position `s` when `t - s < window`. Every layer keeps all slots (no ring buffer), so the
+window is applied in the mask and is correct at every length, also after a rollback across the
+window boundary.
+
+Rollback is the whole point of this design (as in gpt-fast): the engine writes the verify block at
+slots `[length, length + T)`, and keeping only the accepted prefix is `truncate`, which just moves
+the length; stale slots beyond it are never read and are overwritten later. A token tree verified
+in one pass is kept by `compact(indices)`, which moves the accepted nodes' slots into a contiguous
+run first.
+
+Only the engine decides what to keep; the model only writes and reads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..errors import InvalidRequestError
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        shape = (batch, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # [batch, capacity]
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [batch]
+        self.capacity = capacity
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    def length(self, row: int = 0) -> int:
+        return int(self.lengths[row])
+
+    def check_room(self, new_tokens: int) -> None:
+        if int(self.lengths.max()) + new_tokens > self.capacity:
+            raise InvalidRequestError(
+                f"sequence of {int(self.lengths.max()) + new_tokens} tokens exceeds the cache capacity "
+                f"of {self.capacity} tokens"
+            )
+
+    def write(self, layer: int, key: Tensor, value: Tensor, slots: Tensor) -> None:
+        """Store one layer's new keys and values.
+
+        key, value: [batch, kv_heads, T, head_dim]; slots: [batch, T] slot indices to write.
+        """
+        index = slots[:, None, :, None].expand_as(key)
+        self.keys[layer].scatter_(2, index, key)
+        self.values[layer].scatter_(2, index, value)
+
+    def truncate(self, length: int | Tensor, row: int | None = None) -> None:
+        """Roll back to `length` tokens (for one row, or every row when `row` is None)."""
+        if row is None:
+            self.lengths.copy_(torch.as_tensor(length, device=self.lengths.device).expand_as(self.lengths))
+        else:
+            self.lengths[row] = int(length)
+
+    def compact(self, indices: list[int], start: int, row: int = 0) -> None:
+        """Keep the slots `start + i` for i in `indices` (an accepted tree path), packed at `start`.
+
+        The kept slots must be in increasing order; afterwards the row's length is
+        `start + len(indices)`. Their stored positions move with them.
+        """
+        src = torch.tensor([start + i for i in indices], dtype=torch.long, device=self.lengths.device)
+        dst = torch.arange(start, start + len(indices), device=self.lengths.device)
+        for store in (self.keys, self.values):
+            for layer_cache in store:
+                layer_cache[row, :, dst] = layer_cache[row, :, src]
+        self.positions[row, dst] = self.positions[row, src]
+        self.lengths[row] = start + len(indices)

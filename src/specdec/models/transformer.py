@@ -1,0 +1,288 @@
+"""One decoder-only Transformer for the Gemma 3, Llama, Mistral, Qwen2 and Qwen3 families.
+
+The families differ only in a handful of switches, all held by `ModelConfig`:
+
+| switch                | Gemma 3            | Llama / Mistral | Qwen2        | Qwen3        |
+|-----------------------|--------------------|-----------------|--------------|--------------|
+| RMSNorm scale         | (1 + w)            | w               | w            | w            |
+| extra norms           | after attn and MLP | -               | -            | -            |
+| q/k norm per head     | yes                | -               | -            | yes          |
+| q/k/v bias            | -                  | -               | yes          | -            |
+| activation            | gelu (tanh)        | silu            | silu         | silu         |
+| embedding scale       | sqrt(hidden)       | 1               | 1            | 1            |
+| local (sliding) layers| 5 of every 6       | Mistral: maybe  | -            | -            |
+| rope theta            | per layer type     | one             | one          | one          |
+
+`forward(tokens, positions, cache, mask)` scores any number of new tokens per sequence at
+explicit positions: one token for a plain step, the last token plus k drafts for verification,
+or a whole token tree with a tree mask. New keys and values go into the cache slots right after
+each row's current length, and the row's length moves past them; the engine rolls back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding of one layer: base theta and optional frequency scaling."""
+
+    theta: float
+    scaling: tuple[tuple[str, float], ...] = ()  # HF rope_scaling dict as sorted items, () = none
+
+    def inv_freq(self, head_dim: int) -> Tensor:  # [head_dim // 2], float64
+        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        cfg = dict(self.scaling)
+        kind = cfg.get("rope_type", cfg.get("type", "default"))
+        if kind == "linear":
+            # Position interpolation: positions are divided by the factor.
+            inv = inv / cfg["factor"]
+        elif kind == "llama3":
+            # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band in
+            # between blended smoothly by wavelength.
+            factor = cfg["factor"]
+            low, high = cfg.get("low_freq_factor", 1.0), cfg.get("high_freq_factor", 4.0)
+            old_ctx = cfg["original_max_position_embeddings"]
+            wavelen = 2 * math.pi / inv
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            blended = (1 - smooth) * inv / factor + smooth * inv
+            inv = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+            middle = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+            inv = torch.where(middle, blended, inv)
+        elif kind != "default":
+            raise ValueError(f"unsupported rope scaling type {kind!r}")
+        return inv
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "gemma3" | "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    max_position: int
+    layer_rope: tuple[RopeSpec, ...]  # one per layer
+    layer_window: tuple[int | None, ...]  # sliding window per layer, None = global attention
+    norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + w): 1.0 for Gemma
+    sandwich_norms: bool = False  # Gemma 3: extra norms after attention and after the MLP
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    activation: str = "silu"  # "silu" | "gelu_tanh"
+    embed_scale: float = 1.0
+    tie_embeddings: bool = False
+    query_scale: float = 0.0  # attention score scale; 0 means head_dim ** -0.5
+    final_logit_softcap: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def score_scale(self) -> float:
+        return self.query_scale or self.head_dim**-0.5
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, offset: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 whatever the activation dtype: the mean of squares is where
+        # bfloat16 would lose the most.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (self.offset + self.weight.float())).to(x.dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding, half-split layout (pairs are (i, i + d/2)), as HF stores the weights.
+
+    x: [batch, heads, T, head_dim]; cos, sin: [batch, 1, T, head_dim // 2]
+    """
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(d, cfg.rms_eps, cfg.norm_offset)
+        self.qk_norm = cfg.qk_norm
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.scale = cfg.score_scale
+
+    def forward(
+        self,
+        x: Tensor,  # [batch, T, hidden]
+        cos: Tensor,  # [batch, 1, T, head_dim // 2]
+        sin: Tensor,
+        cache: KVCache,
+        layer: int,
+        slots: Tensor,  # [batch, T] where the new keys go
+        visible: Tensor,  # [batch, 1, T, S] bool: which of the first S slots each query sees
+    ) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        cache.write(layer, k, v, slots)
+        span = visible.shape[-1]
+        keys = cache.keys[layer][:, :, :span]
+        values = cache.values[layer][:, :, :span]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=visible, scale=self.scale, enable_gqa=self.heads != self.kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.activation == "gelu_tanh"
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_offset)  # noqa: E731
+        self.input_layernorm = norm()
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = norm()
+        self.mlp = MLP(cfg)
+        self.sandwich = cfg.sandwich_norms
+        if cfg.sandwich_norms:
+            # Gemma 3 names: post_attention_layernorm follows attention, the MLP has its own pair.
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+
+    def forward(self, x, cos, sin, cache, layer, slots, visible):
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, visible)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(attn)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_offset)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # One table of inverse frequencies per distinct rope spec (Gemma 3 has two).
+        self._rope_specs = sorted(set(cfg.layer_rope), key=repr)
+        self._rope_of_layer = [self._rope_specs.index(r) for r in cfg.layer_rope]
+        for i, spec in enumerate(self._rope_specs):
+            self.register_buffer(f"inv_freq_{i}", spec.inv_freq(cfg.head_dim).float(), persistent=False)
+
+    def new_cache(self, batch: int, capacity: int, device=None, dtype=None) -> KVCache:
+        p = self.embed_tokens.weight
+        cfg = self.config
+        return KVCache(
+            cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, capacity, dtype or p.dtype, device or p.device
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Tensor,  # [batch, T] new token ids
+        positions: Tensor,  # [batch, T] their positions in the sequence (rope and window)
+        cache: KVCache,
+        mask: Tensor | None = None,  # [batch, T, T] bool among the new tokens; None = causal
+        last_n: int | None = None,  # compute logits for the last n new tokens only
+    ) -> tuple[Tensor, Tensor]:
+        """Returns (logits [batch, n, vocab] float32, hidden [batch, T, hidden]) with n = last_n or T.
+
+        `hidden` is the final-normed hidden state (what the output head reads), for learned drafters.
+        """
+        cfg = self.config
+        b, t = tokens.shape
+        device = tokens.device
+        cache.check_room(t)
+        start = cache.lengths  # [batch]
+        slots = start[:, None] + torch.arange(t, device=device)  # [batch, T]
+        cache.positions.scatter_(1, slots, positions)
+        span = int(start.max()) + t
+        visible_full, visible_local = self._visibility(start, positions, cache, mask, span, t)
+
+        x = self.embed_tokens(tokens)
+        if cfg.embed_scale != 1.0:
+            # Cast the scale to the activation dtype first, as the reference implementations do.
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        rope = []
+        for i in range(len(self._rope_specs)):
+            angles = positions[:, None, :, None].float() * getattr(self, f"inv_freq_{i}")  # [b, 1, T, d/2]
+            rope.append((angles.cos(), angles.sin()))
+        for layer, block in enumerate(self.layers):
+            cos, sin = rope[self._rope_of_layer[layer]]
+            visible = visible_full if cfg.layer_window[layer] is None else visible_local[cfg.layer_window[layer]]
+            x = block(x, cos, sin, cache, layer, slots, visible)
+        cache.lengths += t
+        hidden = self.norm(x)
+        head_in = hidden if last_n is None else hidden[:, -last_n:]
+        logits = self.lm_head(head_in).float()
+        if cfg.final_logit_softcap:
+            cap = cfg.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits, hidden
+
+    def _visibility(self, start, positions, cache, mask, span, t):
+        """Which cache slots each new query may attend to.
+
+        A slot before the row's start is visible (it holds accepted context); a slot in the new
+        block is visible per `mask` (causal by default, a tree mask for token trees); later slots
+        are stale. Local layers also need `query position - slot position < window`.
+        Returns the global mask [b, 1, T, span] and a dict window -> local mask.
+        """
+        device = positions.device
+        slot = torch.arange(span, device=device)[None, None, :]  # [1, 1, S]
+        rel = slot - start[:, None, None]  # [b, 1, S] index into the new block
+        past = rel < 0
+        in_block = (rel >= 0) & (rel < t)
+        if mask is None:
+            block_ok = rel <= torch.arange(t, device=device)[None, :, None]  # [b, T, S]
+        else:
+            block_ok = mask.gather(2, rel.clamp(0, t - 1).expand(-1, t, -1))
+        visible = past | (in_block & block_ok)  # [b, T, S]
+        local = {}
+        for window in {w for w in self.config.layer_window if w is not None}:
+            distance = positions[:, :, None] - cache.positions[:, None, :span]  # [b, T, S]
+            local[window] = (visible & (distance < window))[:, None]
+        return visible[:, None], local

@@ -1,0 +1,115 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdec import Engine, SamplingParams
+from specdec.drafters import NgramDrafter, SuffixDrafter
+from specdec.errors import InvalidRequestError
+from specdec.models import loader
+
+PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Once upon a time, in a small village by the sea,",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder, _ = __import__("conftest").make_tiny_hf(tmp_path_factory.mktemp("m"), "gemma3")
+    model, _ = loader.load(folder, torch.float32, "cpu")
+    return model
+
+
+@pytest.mark.parametrize("make", [NgramDrafter, SuffixDrafter])
+@pytest.mark.parametrize("k,length", [(1, "fixed"), (3, "fixed"), (8, "fixed"), (3, "adaptive")])
+def test_tiny_greedy_identity(tiny, make, k, length):
+    plain = Engine(tiny, None)
+    spec = Engine(tiny, None, make(), k, length)
+    for seed in range(3):
+        ids = torch.randint(0, 20, (12,), generator=torch.Generator().manual_seed(seed)).tolist() * 2
+        a = plain.generate(prompt_ids=ids, max_new_tokens=40)
+        b = spec.generate(prompt_ids=ids, max_new_tokens=40)
+        assert a.token_ids == b.token_ids
+        assert b.stats.target_forwards <= a.stats.target_forwards
+
+
+def test_default_model_greedy_identity(default_engine_fp32):
+    spec_engines = [Engine(default_engine_fp32.model, default_engine_fp32.tokenizer, d(), 5) for d in
+                    (NgramDrafter, SuffixDrafter)]
+    gained = 0
+    for prompt in PROMPTS:
+        plain = default_engine_fp32.generate(prompt=prompt, max_new_tokens=48)
+        for engine in spec_engines:
+            out = engine.generate(prompt=prompt, max_new_tokens=48)
+            assert out.token_ids == plain.token_ids, prompt
+            gained += plain.stats.target_forwards - out.stats.target_forwards
+    assert gained > 0  # lookup drafting saved target passes somewhere
+
+
+def test_stop_string_ends_output_like_plain(default_engine_fp32):
+    prompt = PROMPTS[0]
+    full = default_engine_fp32.generate(prompt=prompt, max_new_tokens=40)
+    stop = full.text[10:14]
+    spec = Engine(default_engine_fp32.model, default_engine_fp32.tokenizer, NgramDrafter(), 8)
+    a = default_engine_fp32.generate(prompt=prompt, max_new_tokens=40, stop=stop)
+    b = spec.generate(prompt=prompt, max_new_tokens=40, stop=stop)
+    assert a.finish_reason == b.finish_reason == "stop"
+    assert a.text == b.text == full.text[: full.text.find(stop)]
+    assert a.token_ids == b.token_ids
+
+
+def test_seeded_sampling_reproducible(tiny):
+    engine = Engine(tiny, None, NgramDrafter(), 4)
+    sp = SamplingParams(temperature=0.9, top_p=0.9, seed=7)
+    ids = list(range(10)) * 2
+    a = engine.generate(prompt_ids=ids, max_new_tokens=30, sampling=sp)
+    b = engine.generate(prompt_ids=ids, max_new_tokens=30, sampling=sp)
+    c = engine.generate(prompt_ids=ids, max_new_tokens=30, sampling=SamplingParams(temperature=0.9, seed=8))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_bad_requests(tiny):
+    engine = Engine(tiny, None)
+    with pytest.raises(InvalidRequestError):
+        engine.generate(prompt_ids=[], max_new_tokens=4)
+    with pytest.raises(InvalidRequestError):
+        engine.generate(prompt_ids=[1000], max_new_tokens=4)
+    with pytest.raises(InvalidRequestError, match="context"):
+        engine.generate(prompt_ids=[1] * 500, max_new_tokens=100)
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        engine.generate(prompt="hello", max_new_tokens=4)
+    for bad in (dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=1.0)):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**bad)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+    (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
+    (["--prompt", "hi", "--model", "/no/such/model.gguf"], "not found"),
+    (["--prompt", "hi", "--drafter", "nonsense"], "drafter"),
+    (["--prompt", "hi", "--max-tokens", "40000"], "context"),
+])
+def test_cli_errors_are_one_line(args, needle):
+    res = run_cli("generate", *args)
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr
+    assert needle in res.stderr.strip().splitlines()[-1]
+
+
+def test_cli_json_on_default_model():
+    res = run_cli("generate", "--prompt", "The capital of France is", "--max-tokens", "8", "--json",
+                  "--drafter", "ngram")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["finish_reason"] in ("stop", "length") and len(out["token_ids"]) <= 8
+    assert out["stats"]["new_tokens"] == len(out["token_ids"]) and out["text"]

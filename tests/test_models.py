@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from specdec.models import loader
+
+FAMILIES = ["gemma3", "llama", "mistral", "qwen2", "qwen3"]
+
+
+def native_logits(model, ids):
+    cache = model.new_cache(1, ids.shape[1] + 4)
+    logits, _ = model(ids, torch.arange(ids.shape[1])[None], cache)
+    return logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(tmp_path, family):
+    folder, hf = make_tiny = __import__("conftest").make_tiny_hf(tmp_path, family)
+    model, _ = loader.load(folder, torch.float32, "cpu")
+    ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    diff = (native_logits(model, ids).log_softmax(-1) - ref.log_softmax(-1)).abs().max()
+    assert diff < 1e-3, diff
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_cache_decode_and_truncate_across_window(tmp_path, family):
+    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, family)
+    model, _ = loader.load(folder, torch.float32, "cpu")
+    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(2))
+    full = native_logits(model, ids)  # window is 8: positions past it use the mask
+    cache = model.new_cache(1, 40)
+    model(ids[:, :10], torch.arange(10)[None], cache)
+    steps = [model(ids[:, t : t + 1], torch.tensor([[t]]), cache)[0][0, 0] for t in range(10, 30)]
+    assert torch.allclose(torch.stack(steps), full[0, 10:30], atol=1e-4)
+    # Roll back 12 tokens (wrong ones written), then decode the true ones again.
+    cache.truncate(18)
+    junk = torch.randint(0, 97, (1, 5))
+    model(junk, torch.arange(18, 23)[None], cache)
+    cache.truncate(18)
+    again, _ = model(ids[:, 18:30], torch.arange(18, 30)[None], cache)
+    assert torch.allclose(again[0], full[0, 18:30], atol=1e-4)
+
+
+def test_bad_model_paths(tmp_path):
+    from specdec.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="not found"):
+        loader.resolve(tmp_path / "nope")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(ModelLoadError, match="GGUF"):
+        loader.resolve(bad)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        loader.load(folder, torch.float32, "cpu")
