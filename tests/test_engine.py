@@ -113,3 +113,13 @@ def test_cli_json_on_default_model():
     out = json.loads(res.stdout)
     assert out["finish_reason"] in ("stop", "length") and len(out["token_ids"]) <= 8
     assert out["stats"]["new_tokens"] == len(out["token_ids"]) and out["text"]
+
+
+def test_cli_show_drafts_marks_every_pass():
+    res = run_cli("generate", "--prompt", PROMPTS[1], "--max-tokens", "24", "--drafter", "ngram",
+                  "--show-drafts", "--dtype", "float32")
+    assert res.returncode == 0, res.stderr
+    text = res.stdout
+    # Every target pass after the prefill ends in a recovered {..} or bonus <..> token; lookup on
+    # this repetitive prompt gets some drafts accepted.
+    assert "[" in text and ("{" in text or "<" in text)
