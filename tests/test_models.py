@@ -56,3 +56,27 @@ def test_bad_model_paths(tmp_path):
     (folder / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ModelLoadError, match="unsupported architecture"):
         loader.load(folder, torch.float32, "cpu")
+
+
+def test_default_model_matches_transformers(default_engine_fp32):
+    """The real Gemma 3 270M: native log-probs and 64 greedy tokens equal HF's own implementation."""
+    from transformers import AutoModelForCausalLM
+
+    folder = loader.resolve("default")
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    tok = default_engine_fp32.tokenizer
+    text = ("Speculative decoding lets a small model propose several tokens that a large model then checks in a "
+            "single pass, which keeps the output exactly the same while the large model reads its weights less "
+            "often per generated token, as long as the drafts are usually right.")
+    ids = torch.tensor([tok.encode(text)[:64]])
+    with torch.no_grad():
+        ref = hf(ids).logits.log_softmax(-1)
+    mine = native_logits(default_engine_fp32.model, ids).log_softmax(-1)
+    assert (mine - ref).abs().max() < 1e-3
+    for prompt in ["The capital of France is", "def quicksort(arr):\n"]:
+        prompt_ids = tok.encode(prompt)
+        with torch.no_grad():
+            hf_out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=64, do_sample=False,
+                                 min_new_tokens=64)[0, len(prompt_ids):].tolist()
+        ours = default_engine_fp32.generate(prompt_ids=prompt_ids, max_new_tokens=64)
+        assert ours.token_ids == hf_out[: len(ours.token_ids)] and len(ours.token_ids) == 64
