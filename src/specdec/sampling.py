@@ -1,8 +1,19 @@
-"""Pure sampling functions: logits -> processed probabilities -> a token, with an explicit RNG."""
+"""Pure sampling functions: logits -> processed probabilities -> a token, with an explicit RNG.
+
+`process_logits` is the one place where temperature, top-k, top-p and min-p are applied. The engine
+runs the target's logits (p) and, for drafters with a distribution, the drafter's logits (q) through
+it with the same `SamplingParams`; speculative sampling then reproduces exactly the processed target
+distribution (see `verify.py`).
+
+Randomness only ever comes from a `torch.Generator` passed in (one per request, from
+`make_generator(params.seed, device)`); nothing here touches the global RNG.
+"""
 
 from __future__ import annotations
 
 import math
+import numbers
+import os
 from dataclasses import dataclass
 
 import torch
@@ -14,29 +25,34 @@ from .errors import InvalidRequestError
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # nucleus mass, in (0, 1]
-    min_p: float = 0.0  # drop tokens below min_p * max prob, in [0, 1)
-    seed: int | None = None
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # nucleus mass, in (0, 1]; 1 = off
+    min_p: float = 0.0  # drop tokens below min_p * max prob, in [0, 1); 0 = off
+    seed: int | None = None  # None = fresh OS randomness per request
 
     def __post_init__(self):
-        def number(name, value):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        def finite_number(name: str, value) -> None:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)
 
-        number("temperature", self.temperature)
-        number("top_p", self.top_p)
-        number("min_p", self.min_p)
+        def integer(name: str, value) -> None:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise InvalidRequestError(f"{name} must be an integer, got {value!r}", name)
+
+        finite_number("temperature", self.temperature)
+        finite_number("top_p", self.top_p)
+        finite_number("min_p", self.min_p)
+        integer("top_k", self.top_k)
+        if self.seed is not None:
+            integer("seed", self.seed)
         if self.temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}", "top_k")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not 0 <= self.min_p < 1:
             raise InvalidRequestError(f"min_p must be in [0, 1), got {self.min_p}", "min_p")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}", "top_k")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
 
     @property
     def greedy(self) -> bool:
@@ -44,44 +60,66 @@ class SamplingParams:
 
 
 def make_generator(seed: int | None, device) -> torch.Generator:
-    gen = torch.Generator(device=device)
+    """A generator on `device`, seeded from `seed`, or from fresh OS randomness when `seed` is None.
+
+    Any Python int is accepted; it is folded into [0, 2**63) (torch's seed range).
+    """
+    generator = torch.Generator(device=device)
     if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed % (2**63))
-    return gen
+        seed = int.from_bytes(os.urandom(8), "little")
+    generator.manual_seed(int(seed) % (2**63))
+    return generator
 
 
 def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
-    """logits [..., vocab] -> probs [..., vocab] float32 after temperature, top-k, top-p, min-p.
+    """Logits -> processed probabilities, applied per row over the last dimension.
 
-    Greedy (temperature 0) gives a one-hot at the argmax. The same function processes the target's
-    p and the drafter's q, which is what keeps speculative sampling exact for every setting.
+    logits: Tensor  # [..., vocab], any float dtype
+    returns: Tensor  # [..., vocab] float32, every row sums to 1
+
+    Order as in HF transformers / vLLM: temperature, top-k, top-p, min-p, renormalise.
+    Greedy (temperature 0) gives a one-hot at the argmax (ties -> lowest index, as `torch.argmax`).
+    Ties at the top-k boundary are all kept (as HF does), so a row may keep more than k tokens.
     """
     logits = logits.float()
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
     vocab = logits.shape[-1]
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
+
+    # Temperature: softmax(l / T). Subtracting the row max first changes nothing mathematically but
+    # keeps l / T finite for tiny T.
+    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
+
+    # Top-k: mask every logit strictly below the k-th largest.
     if 0 < params.top_k < vocab:
-        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
+    probs = logits.softmax(-1)  # [..., vocab]
+
+    # Top-p (nucleus): in descending order, keep a token when the mass strictly before it is below
+    # top_p. That is the smallest prefix whose mass reaches top_p, and always the top token
+    # (its "mass before" is 0 < top_p). A stable sort makes tie-breaking deterministic.
     if params.top_p < 1.0:
-        sorted_p, order = probs.sort(-1, descending=True)
-        # Keep a token when the mass strictly before it is below top_p: the smallest set whose
-        # mass reaches top_p, and always the top token.
-        before = sorted_p.cumsum(-1) - sorted_p
-        keep_sorted = before < params.top_p
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # [..., vocab] each
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [..., vocab]
+        keep_sorted = mass_before < params.top_p  # [..., vocab] bool, in sorted order
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)  # back to vocab order
         probs = probs * keep
+
+    # Min-p: drop tokens with prob < min_p * max prob. The ratio test is invariant to the
+    # renormalisation after top-p, so it can run on the unnormalised masses; the top token survives.
     if params.min_p > 0:
         probs = probs * (probs >= params.min_p * probs.amax(-1, keepdim=True))
+
     return probs / probs.sum(-1, keepdim=True)
 
 
 def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
-    """probs [..., vocab] -> ids [...] (long), drawn with `generator` only."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    ids = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    """Draw one token per row, with `generator` only (never the global RNG).
+
+    probs: Tensor  # [..., vocab], non-negative, rows need not be normalised
+    returns: Tensor  # [...] long token ids
+    """
+    flat = probs.reshape(-1, probs.shape[-1])  # [rows, vocab]
+    ids = torch.multinomial(flat, 1, generator=generator).squeeze(-1)  # [rows]
     return ids.reshape(probs.shape[:-1])
