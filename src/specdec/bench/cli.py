@@ -1,0 +1,127 @@
+"""`specdec bench`: arguments -> prompts, configurations -> runner -> Markdown / JSON / plot."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from .configs import DEFAULT_CONFIGS
+from .prompts import DEFAULT_TASKS, DEFAULT_TEMPLATE
+
+DEFAULT_PER_GROUP = 1  # 6 prompts x 128 tokens x 5 configurations: a few minutes on 2 quiet cores
+
+
+def add_arguments(parser) -> None:
+    parser.description = (
+        "Measure plain and speculative decoding (and installed peers) on Spec-Bench prompts, greedy, "
+        "interleaved after a warm-up. Prints a Markdown table; --json / --markdown / --plot save more.")
+    parser.add_argument("--model", default="default", help="target: HF folder or .gguf (default: Gemma 3 270M)")
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
+                        help="comma-separated configurations, e.g. plain,ngram:k=5,suffix:k=5,draft:k=4,"
+                             "hf,hf-lookup:k=10,hf-assist,llama-cpp,llama-cpp-lookup; options dtype=, quantize= "
+                             f"(default: {DEFAULT_CONFIGS})")
+    parser.add_argument("--tasks", default=DEFAULT_TASKS,
+                        help="spec_bench (its six groups) | all (+ code) | none | comma-separated groups: mt_bench, "
+                             "translation, summarization, qa, math_reasoning, rag, code, or one MT-bench category")
+    parser.add_argument("--per-group", type=int, default=DEFAULT_PER_GROUP,
+                        help=f"prompts per task group, evenly spread over it; 0 = all (default {DEFAULT_PER_GROUP})")
+    parser.add_argument("--prompts", action="append", default=[], metavar="FILE.jsonl",
+                        help="extra prompts: one JSON object a line with prompt | turns | prompt_ids "
+                             "(+ optional group, id); repeatable")
+    parser.add_argument("--spec-bench", metavar="FILE", help="Spec-Bench question.jsonl (default: ../shared/spec_bench)")
+    parser.add_argument("--template", default=DEFAULT_TEMPLATE.replace("\n", "\\n"),
+                        help="how a question is fed to the (base) model; {prompt} is the question, \\n a newline "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    parser.add_argument("--dtype", default="auto", help="specdec targets: auto | float32 | bfloat16 | float16")
+    parser.add_argument("--quantize", default="none", choices=["none", "int8"], help="specdec targets' quantisation")
+    parser.add_argument("--draft-model", metavar="PATH", help="draft model for draft / hf-assist configurations")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved passes over the prompts (default 1)")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up rounds before measuring (default 1)")
+    parser.add_argument("--json", metavar="FILE", help="write every run and summary as JSON")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the Markdown report to FILE")
+    parser.add_argument("--plot", metavar="FILE.png", help="speedup per task group and acceptance by position")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def command_line(args) -> str:
+    """The command that reproduces this run, every option spelled out."""
+    parts = ["specdec", "bench", "--model", args.model, "--configs", args.configs, "--tasks", args.tasks,
+             "--per-group", str(args.per_group)]
+    for f in args.prompts:
+        parts += ["--prompts", f]
+    if args.spec_bench:
+        parts += ["--spec-bench", args.spec_bench]
+    if args.template != DEFAULT_TEMPLATE.replace("\n", "\\n"):
+        parts += ["--template", args.template]
+    parts += ["--max-tokens", str(args.max_tokens), "--dtype", args.dtype, "--quantize", args.quantize]
+    if args.draft_model:
+        parts += ["--draft-model", args.draft_model]
+    parts += ["--device", args.device, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+    return shlex.join(parts)
+
+
+def run(args) -> int:
+    from . import report
+    from .configs import parse_configs
+    from .prompts import parse_tasks, select_prompts, spec_bench_path
+    from .runner import Settings, run_bench
+
+    # Everything that can be checked without a model is checked first: bad input fails at once.
+    _check_outputs(args)
+    configs = parse_configs(args.configs, args.draft_model)
+    groups = parse_tasks(args.tasks)
+    template = args.template.replace("\\n", "\n")
+    prompts = select_prompts(groups, args.per_group, spec_bench_path(args.spec_bench), args.prompts, template)
+    settings = Settings(args.model, args.max_tokens, args.dtype, args.quantize, args.device, args.repeats, args.warmup)
+
+    def log(message: str) -> None:
+        (bar.write if bar is not None else lambda m: print(m, file=sys.stderr))(f"bench: {message}")
+
+    bar = None
+    hooks = {}
+    if not args.no_progress:
+        try:
+            from tqdm import tqdm
+        except ImportError:  # pragma: no cover - tqdm comes with transformers
+            tqdm = None
+        if tqdm is not None:
+            def total(n: int) -> None:
+                nonlocal bar
+                bar = tqdm(total=n, file=sys.stderr, unit="run", dynamic_ncols=True, mininterval=0.5)
+
+            def progress(label: str) -> None:
+                bar.set_postfix_str(label, refresh=False)
+                bar.update(1)
+
+            hooks = {"total": total, "progress": progress}
+    try:
+        result = run_bench(settings, configs, prompts, log=log, **hooks)
+    finally:
+        if bar is not None:
+            bar.close()
+    summaries = report.summarize(result)
+    command = command_line(args)
+    markdown = report.to_markdown(result, summaries, command)
+    print(markdown, end="")
+    if args.markdown:
+        report.write_text(args.markdown, markdown)
+    if args.json:
+        report.write_json(args.json, report.to_json(result, summaries, command))
+    if args.plot:
+        report.write_plot(args.plot, result, summaries)
+    return 0
+
+
+def _check_outputs(args) -> None:
+    """Output paths are checked before the (long) run, not after it."""
+    from pathlib import Path
+
+    from ..errors import InvalidRequestError
+
+    for option, path in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
+        if path and not Path(path).expanduser().resolve().parent.is_dir():
+            raise InvalidRequestError(f"{option} {path}: its folder does not exist", "output")
+    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise InvalidRequestError(f"--plot {args.plot}: give a .png, .svg or .pdf file", "plot")

@@ -1,0 +1,209 @@
+"""What `--configs` means: a comma-separated list of configurations, each `NAME[:OPTION]...`.
+
+An option is `key=value` or a bare flag (`adaptive`). Examples::
+
+    plain                      specdec, no drafter
+    ngram:k=5                  prompt lookup, 5 draft tokens per step
+    ngram:k=8:adaptive         ... with the +2/-1 adaptive draft length starting at 8
+    suffix:k=5                 suffix cache (learns across the requests of the run)
+    draft:model=PATH:k=4       a draft model (or give --draft-model PATH once)
+    plain:quantize=int8        the same target quantised (when Engine.load takes `quantize`)
+    hf                         HF transformers generate, greedy, float32
+    hf-lookup:k=10             HF prompt-lookup assisted generation (prompt_lookup_num_tokens)
+    hf-assist:model=PATH:k=5   HF assisted generation with a draft model (assistant_model)
+    llama-cpp                  llama-cpp-python on the GGUF, plain greedy
+    llama-cpp-lookup:k=10      llama-cpp-python with its prompt-lookup drafter
+
+The label of a configuration is its text as written, so it is what the tables show. Parsing is pure
+(no models are touched), so a bad list fails at once, before anything slow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..errors import InvalidRequestError
+
+# kind -> (family, {option: type}); "flag" options take no value.
+_DTYPE = str
+DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")  # as Engine.load takes them
+QUANTIZE_NAMES = ("none", "int8")
+KINDS: dict[str, tuple[str, dict[str, object]]] = {
+    "plain": ("specdec", {"dtype": _DTYPE, "quantize": str}),
+    "ngram": ("specdec", {"k": int, "adaptive": "flag", "max_ngram": int, "min_ngram": int,
+                          "dtype": _DTYPE, "quantize": str}),
+    "suffix": ("specdec", {"k": int, "adaptive": "flag", "max_ngram": int, "min_ngram": int,
+                           "dtype": _DTYPE, "quantize": str}),
+    "draft": ("specdec", {"k": int, "adaptive": "flag", "model": str, "p_min": float,
+                          "dtype": _DTYPE, "quantize": str}),
+    "hf": ("hf", {"dtype": _DTYPE}),
+    "hf-lookup": ("hf", {"k": int, "n": int, "dtype": _DTYPE}),
+    "hf-assist": ("hf", {"k": int, "adaptive": "flag", "model": str, "dtype": _DTYPE}),
+    "llama-cpp": ("llama-cpp", {"threads": int, "model": str}),
+    "llama-cpp-lookup": ("llama-cpp", {"k": int, "n": int, "threads": int, "model": str}),
+}
+
+# Defaults per kind where an option is left out. specdec's k matches Engine's default; the HF and
+# llama.cpp lookup defaults are their own libraries' documented ones (10 tokens, 2-gram match).
+DEFAULTS: dict[str, dict[str, object]] = {
+    "ngram": {"k": 5}, "suffix": {"k": 5}, "draft": {"k": 5},
+    "hf-lookup": {"k": 10, "n": 2}, "hf-assist": {"k": 5},
+    "llama-cpp-lookup": {"k": 10, "n": 2},
+}
+
+DEFAULT_CONFIGS = "plain,ngram:k=5,suffix:k=5,hf,hf-lookup,llama-cpp,llama-cpp-lookup"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One configuration to measure. `options` holds every option, defaults filled in."""
+
+    label: str
+    kind: str
+    options: dict = field(default_factory=dict)
+
+    @property
+    def family(self) -> str:
+        """"specdec", "hf" or "llama-cpp"."""
+        return KINDS[self.kind][0]
+
+    @property
+    def speculative(self) -> bool:
+        return self.kind not in ("plain", "hf", "llama-cpp")
+
+    @property
+    def k(self) -> int | None:
+        return self.options.get("k")
+
+    @property
+    def adaptive(self) -> bool:
+        return bool(self.options.get("adaptive"))
+
+
+def parse_configs(text: str, draft_model: str | None = None) -> list[BenchConfig]:
+    """Parse a `--configs` list. `draft_model` fills `model=` of draft / hf-assist when left out."""
+    items = [item.strip() for item in (text or "").split(",")]
+    if not any(items):
+        raise InvalidRequestError("--configs is empty; e.g. --configs plain,ngram:k=5", "configs")
+    configs: list[BenchConfig] = []
+    for item in items:
+        if not item:
+            raise InvalidRequestError(f"--configs {text!r} has an empty entry", "configs")
+        configs.append(parse_config(item, draft_model))
+    seen = set()
+    for c in configs:
+        if c.label in seen:
+            raise InvalidRequestError(f"configuration {c.label!r} is listed twice", "configs")
+        seen.add(c.label)
+    return configs
+
+
+def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
+    kind, *parts = item.split(":")
+    kind = kind.strip().lower()
+    if kind not in KINDS:
+        raise InvalidRequestError(
+            f"unknown configuration {kind!r} in {item!r}; choose from {', '.join(KINDS)}", "configs")
+    allowed = KINDS[kind][1]
+    options: dict[str, object] = dict(DEFAULTS.get(kind, {}))
+    for part in parts:
+        key, eq, value = part.partition("=")
+        key = key.strip().lower().replace("-", "_")
+        if key not in allowed:
+            names = ", ".join(allowed) or "none"
+            raise InvalidRequestError(
+                f"{item!r}: unknown option {key!r} for {kind} (its options: {names})", "configs")
+        kind_of = allowed[key]
+        if kind_of == "flag":
+            if eq and value.strip().lower() not in ("1", "true", "yes", "on"):
+                raise InvalidRequestError(f"{item!r}: {key} is a flag; write it without a value", "configs")
+            options[key] = True
+            continue
+        if not eq or not value.strip():
+            raise InvalidRequestError(f"{item!r}: option {key} needs a value ({key}=...)", "configs")
+        options[key] = _convert(item, key, value.strip(), kind_of)
+    if kind in ("draft", "hf-assist"):
+        options.setdefault("model", draft_model)
+        if not options["model"]:
+            raise InvalidRequestError(f"{item!r} needs a draft model: add :model=PATH or pass --draft-model PATH",
+                                      "configs")
+    if kind in ("ngram", "suffix"):
+        # The drafter's own constructor knows its defaults and limits; building one is instant and
+        # touches no model, so a bad n-gram range fails here, before anything slow.
+        try:
+            lookup_drafter(kind, options)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{item!r}: {exc}", "configs") from None
+    return BenchConfig(item.strip(), kind, options)
+
+
+def lookup_drafter(kind: str, options: dict):
+    """A fresh ngram / suffix drafter with the configuration's n-gram options."""
+    from ..drafters import NgramDrafter, SuffixDrafter
+
+    cls = NgramDrafter if kind == "ngram" else SuffixDrafter
+    return cls(**{key: options[key] for key in ("max_ngram", "min_ngram") if key in options})
+
+
+def _convert(item: str, key: str, value: str, kind_of) -> object:
+    try:
+        converted = kind_of(value)
+    except ValueError:
+        raise InvalidRequestError(f"{item!r}: {key}={value!r} is not a valid {kind_of.__name__}", "configs") from None
+    if key in ("k", "n", "threads", "max_ngram", "min_ngram") and converted < 1:
+        raise InvalidRequestError(f"{item!r}: {key} must be >= 1", "configs")
+    if key == "p_min" and not 0.0 <= converted <= 1.0:
+        raise InvalidRequestError(f"{item!r}: p_min must be in [0, 1]", "configs")
+    if key == "dtype" and converted not in DTYPE_NAMES:
+        raise InvalidRequestError(f"{item!r}: dtype must be one of {', '.join(DTYPE_NAMES)}", "configs")
+    if key == "quantize" and converted not in QUANTIZE_NAMES:
+        raise InvalidRequestError(f"{item!r}: quantize must be one of {', '.join(QUANTIZE_NAMES)}", "configs")
+    return converted
+
+
+def target_key(config: BenchConfig, dtype: str, quantize: str | None,
+               canonical: Callable[[str], str] = str) -> tuple[str, str | None]:
+    """Which loaded specdec target a configuration runs on: (dtype, quantize).
+
+    `canonical` maps a dtype name to the one it resolves to (the runner passes one that turns
+    "auto" / "bf16" into "bfloat16" for the device), so two spellings of one target share it.
+    """
+    return (canonical(str(config.options.get("dtype", dtype))), config.options.get("quantize", quantize))
+
+
+def with_baselines(configs: list[BenchConfig], dtype: str, quantize: str | None,
+                   canonical: Callable[[str], str] = str) -> tuple[list[BenchConfig], dict[str, str]]:
+    """Make sure every specdec target variant has a plain run; map each label to its baseline's.
+
+    A speculative configuration is compared with plain decoding *of the same target* (same dtype,
+    same quantisation): quantisation changes the model, so another plain run would not be "its own".
+    Peers are compared with plain decoding of the default target (--dtype / --quantize), or the first
+    plain configuration when no configuration runs on the default target. A missing plain
+    configuration is added right before its first user (first in the list for the peers' one).
+    """
+    configs = list(configs)
+    key_of = {c.label: target_key(c, dtype, quantize, canonical) for c in configs if c.family == "specdec"}
+    plain_of: dict[tuple, str] = {}
+    for c in configs:
+        if c.kind == "plain":
+            plain_of.setdefault(key_of[c.label], c.label)
+    default_key = (canonical(dtype), quantize)
+
+    def add_plain(key: tuple, options: dict, at: int) -> None:
+        label = ":".join(["plain"] + [f"{k}={v}" for k, v in options.items()])
+        while any(x.label == label for x in configs):
+            label += "'"
+        configs.insert(at, BenchConfig(label, "plain", options))
+        key_of[label] = key
+        plain_of[key] = label
+
+    if any(c.family != "specdec" for c in configs) and not plain_of:
+        add_plain(default_key, {}, 0)
+    for c in list(configs):
+        if c.family == "specdec" and key_of[c.label] not in plain_of:
+            add_plain(key_of[c.label], {k: v for k, v in c.options.items() if k in ("dtype", "quantize")},
+                      configs.index(c))
+    peer_baseline = plain_of.get(default_key) or next(c.label for c in configs if c.kind == "plain")
+    baselines = {c.label: plain_of[key_of[c.label]] if c.family == "specdec" else peer_baseline for c in configs}
+    return configs, baselines

@@ -1,0 +1,551 @@
+"""Run every configuration on every prompt, interleaved, and record what each run did.
+
+Order. After a warm-up (each configuration generates a few tokens on the first prompt, so one-time
+costs such as thread-pool start-up and allocator growth are paid outside the measurement), the
+runs go prompt by prompt, and for each prompt every configuration in turn: A B C, A B C, ... A slow
+drift of the machine (another process, thermal state) then hits every configuration alike instead
+of whichever happened to run last. `repeats` repeats this whole pass.
+
+Cross-request state. The suffix drafter learns from earlier requests, which is its point; but a
+repeat of the same prompt (or the warm-up) would let it replay an output it has already seen. So
+lookup drafters are rebuilt at the start of every pass: within a pass they learn across different
+prompts, never from the same prompt's earlier run.
+
+One target, many configurations. Every specdec configuration with the same (dtype, quantize) runs
+on one loaded `Transformer`: each gets its own light `Engine` around the shared model and its own
+drafter. A draft model is loaded once per (path, dtype) and shared the same way. HF peers share
+one HF model per dtype.
+
+Timing. Every configuration, specdec and peers alike, is timed the same way: the wall time of the
+whole generate call on pre-tokenised ids (prefill included, tokenisation excluded), and tokens/s
+counts new tokens only (the prompt is excluded; an EOS that ended the output counts, as one
+generated token). All runs are greedy.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import InvalidRequestError, SpecdecError
+from .configs import BenchConfig, lookup_drafter, target_key, with_baselines
+from .prompts import BenchPrompt
+
+WARMUP_TOKENS = 16  # tokens per warm-up generation: enough to run the decode loop, cheap
+
+
+@dataclass
+class Settings:
+    model: str = "default"
+    max_tokens: int = 128
+    dtype: str = "auto"  # the default target's; a configuration's dtype= overrides it
+    quantize: str = "none"
+    device: str = "cpu"
+    repeats: int = 1
+    warmup: int = 1
+
+
+@dataclass
+class Run:
+    """One generation of one configuration on one prompt."""
+
+    config: str
+    prompt_id: str
+    group: str
+    repeat: int
+    prompt_tokens: int
+    new_tokens: int
+    wall_s: float  # the whole generate call, prefill included
+    token_ids: list[int]
+    peak_memory: int | None = None  # bytes: peak RSS during the run (CPU) or CUDA max allocated
+    # specdec only (None / 0 for peers, which do not expose them):
+    prefill_s: float | None = None
+    target_forwards: int | None = None  # prefill included
+    drafts: int = 0  # verify steps that had at least one draft token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    tested_tokens: int = 0  # draft positions verified: the accepted ones + the first rejected one
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    draft_s: float = 0.0  # time spent in the drafter's propose()
+    identical: bool | None = None  # output == its baseline's on the same prompt and repeat
+    first_divergence: int | None = None  # first differing token index when not identical
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class PromptInfo:
+    id: str
+    group: str
+    tokens: int
+
+
+@dataclass
+class BenchResult:
+    settings: Settings
+    configs: list[BenchConfig]  # baselines added, in run order
+    baselines: dict[str, str]  # configuration label -> its plain baseline's label
+    targets: dict[str, str]  # configuration label -> what it runs on, in words
+    prompts: list[PromptInfo]
+    runs: list[Run]
+    skipped: dict[str, str]  # configuration label -> why it did not run
+    memory_kind: str
+    machine: dict
+
+
+class MemoryProbe:
+    """Peak memory of one run.
+
+    CPU: Linux lets a process reset its peak-RSS mark (writing 5 to /proc/self/clear_refs), and
+    VmHWM in /proc/self/status is then the peak since that reset, so each run gets its own peak (of
+    the whole process: every loaded model counts). Where the reset is refused, ru_maxrss gives the
+    process's peak so far. CUDA: torch's max_memory_allocated since a reset of its peak statistics.
+    """
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.resettable = not self.cuda and self._reset_rss()
+        self.kind = ("cuda max allocated" if self.cuda else
+                     "peak RSS" if self.resettable else "peak RSS of the process so far")
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        elif self.resettable:
+            self._reset_rss()
+
+    def peak(self) -> int | None:
+        if self.cuda:
+            return int(torch.cuda.max_memory_allocated())
+        if self.resettable:
+            hwm = _vm_hwm()
+            if hwm is not None:
+                return hwm
+        # ru_maxrss is in KiB on Linux (bytes on macOS).
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return maxrss if sys.platform == "darwin" else maxrss * 1024
+
+    @staticmethod
+    def _reset_rss() -> bool:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            return False
+        return _vm_hwm() is not None
+
+
+def _vm_hwm() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class TimedDrafter:
+    """A drafter that also adds up the time its `propose` takes (the drafting cost of the bound).
+
+    Everything else, including optional hooks such as `observe`, goes to the wrapped drafter.
+    """
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = inner.name
+        self.seconds = 0.0
+
+    def begin(self, prompt_ids, sampling=None, generator=None) -> None:
+        self.inner.begin(prompt_ids, sampling, generator)
+
+    def propose(self, context: list[int], k: int):
+        start = time.perf_counter()
+        proposal = self.inner.propose(context, k)
+        self.seconds += time.perf_counter() - start
+        return proposal
+
+    def feedback(self, num_accepted: int) -> None:
+        self.inner.feedback(num_accepted)
+
+    def end(self, output_ids: list[int]) -> None:
+        self.inner.end(output_ids)
+
+    def __getattr__(self, name):  # only reached for attributes not defined above
+        return getattr(self.inner, name)
+
+    def take_seconds(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class SpecdecRunner:
+    """A specdec configuration: an Engine around a shared target, with its own drafter."""
+
+    def __init__(self, config: BenchConfig, model, tokenizer, make_drafter: Callable[[], object], device: str):
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.make_drafter = make_drafter
+        self.device = device
+        self.engine = None
+        self.drafter: TimedDrafter | None = None
+        self.new_pass()
+
+    def new_pass(self) -> None:
+        """Fresh drafter state (see the module doc: no replay of an earlier run's output)."""
+        from ..engine import Engine
+
+        inner = self.make_drafter()
+        self.drafter = TimedDrafter(inner) if inner is not None else None
+        self.engine = Engine(self.model, self.tokenizer, self.drafter, self.config.k or 5,
+                             "adaptive" if self.config.adaptive else "fixed")
+
+    def generate(self, ids: tuple[int, ...], max_new: int) -> Run:
+        from ..sampling import SamplingParams
+
+        if self.drafter is not None:
+            self.drafter.take_seconds()
+        _sync(self.device)
+        start = time.perf_counter()
+        gen = self.engine.generate(prompt_ids=list(ids), max_new_tokens=max_new, sampling=SamplingParams())
+        _sync(self.device)
+        wall = time.perf_counter() - start
+        s = gen.stats
+        # Positions verified per step: every accepted draft token plus the first rejected one (the
+        # target never looks past it). Accepted / verified is the per-token acceptance probability
+        # alpha of Leviathan et al.'s model; accepted / drafted undercounts it, because drafts
+        # after a rejection are counted as drafted but were never really tested.
+        tested = sum(len(st.accepted) + (len(st.accepted) < st.drafted) for st in gen.steps if st.kind != "prefill")
+        return Run(self.config.label, "", "", 0, len(ids), s.new_tokens, wall, list(gen.token_ids),
+                   prefill_s=s.prefill_s, target_forwards=s.target_forwards, drafts=s.drafts,
+                   draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens, tested_tokens=tested,
+                   accepted_per_position=list(s.accepted_per_position),
+                   drafted_per_position=list(s.drafted_per_position),
+                   draft_s=self.drafter.take_seconds() if self.drafter is not None else 0.0)
+
+
+class HFRunner:
+    """HF transformers `generate`, greedy: plain, prompt lookup, or with an assistant model."""
+
+    def __init__(self, config: BenchConfig, model, eos_ids: list[int], device: str, assistant=None):
+        self.config = config
+        self.model = model
+        self.eos_ids = eos_ids
+        self.device = device
+        self.assistant = assistant
+
+    def new_pass(self) -> None:
+        pass  # HF's candidate generators keep no state across generate calls
+
+    def generate(self, ids: tuple[int, ...], max_new: int) -> Run:
+        from transformers import GenerationConfig
+
+        o = self.config.options
+        extra: dict = {}
+        if self.config.kind == "hf-lookup":
+            extra = {"prompt_lookup_num_tokens": o["k"], "max_matching_ngram_size": o["n"]}
+        elif self.config.kind == "hf-assist":
+            extra = {"num_assistant_tokens": o["k"],
+                     "num_assistant_tokens_schedule": "heuristic" if o.get("adaptive") else "constant"}
+        # A fresh config, not the model's: greedy, no sampling knobs, the same EOS set as specdec.
+        gc = GenerationConfig(do_sample=False, max_new_tokens=max_new, min_new_tokens=0,
+                              eos_token_id=self.eos_ids or None,
+                              pad_token_id=self.eos_ids[0] if self.eos_ids else 0, **extra)
+        inputs = torch.tensor([list(ids)], device=self.device)
+        kwargs = {"assistant_model": self.assistant} if self.assistant is not None else {}
+        _sync(self.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=gc, **kwargs)
+            new = out[0, len(ids):].tolist()
+        wall = time.perf_counter() - start
+        return Run(self.config.label, "", "", 0, len(ids), len(new), wall, new)
+
+
+class LlamaCppRunner:
+    """llama-cpp-python on a GGUF file, greedy: plain, or with its prompt-lookup drafter."""
+
+    def __init__(self, config: BenchConfig, gguf: Path, threads: int, n_ctx: int, eos_ids: list[int]):
+        import llama_cpp
+
+        o = config.options
+        kwargs = dict(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                      n_gpu_layers=0, verbose=False)
+        if config.kind == "llama-cpp-lookup":
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            kwargs["draft_model"] = LlamaPromptLookupDecoding(max_ngram_size=o["n"], num_pred_tokens=o["k"])
+        self.config = config
+        self.llm = llama_cpp.Llama(**kwargs)
+        self.eos = set(eos_ids) | {int(self.llm.token_eos())}
+
+    def new_pass(self) -> None:
+        pass
+
+    def generate(self, ids: tuple[int, ...], max_new: int) -> Run:
+        # reset(): forget the previous prompt, so every run prefills its whole prompt (llama.cpp
+        # would otherwise reuse a cached common prefix, which the other configurations do not).
+        self.llm.reset()
+        new: list[int] = []
+        start = time.perf_counter()
+        for token in self.llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                       reset=True):
+            new.append(int(token))
+            if new[-1] in self.eos or len(new) >= max_new:
+                break
+        wall = time.perf_counter() - start
+        return Run(self.config.label, "", "", 0, len(ids), len(new), wall, new)
+
+
+def canonical_dtype(device: str) -> Callable[[str], str]:
+    """dtype name -> the torch dtype it resolves to on `device`, as a name ("auto" -> "float32")."""
+    from ..engine import resolve_dtype
+
+    return lambda name: str(resolve_dtype(name, device)).removeprefix("torch.")
+
+
+def machine_info(device: str) -> dict:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "device": device}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        import llama_cpp
+
+        info["llama_cpp"] = getattr(llama_cpp, "__version__", "?")
+    except ImportError:
+        pass
+    return info
+
+
+def _gguf_for(settings: Settings, config: BenchConfig) -> Path | None:
+    """The GGUF file a llama.cpp peer runs: model=PATH, else the target when it is a GGUF."""
+    from ..models import loader
+
+    if config.options.get("model"):
+        return Path(config.options["model"]).expanduser()
+    if settings.model == "default":
+        return loader.default_model_path()
+    path = Path(settings.model).expanduser()
+    return path if path.suffix.lower() == ".gguf" else None
+
+
+def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[BenchPrompt],
+              progress: Callable[[str], None] | None = None, log: Callable[[str], None] | None = None,
+              total: Callable[[int], None] | None = None) -> BenchResult:
+    """Load what the configurations need, run them interleaved, and return every run.
+
+    `log(message)` gets one-line notes (loading, skipped peers); `total(n)` the number of runs
+    about to happen (warm-up included); `progress(label)` is called after each run.
+    """
+    from ..engine import Engine, resolve_device
+    from ..models import loader
+
+    log = log or (lambda message: None)
+    progress = progress or (lambda label: None)
+    if settings.max_tokens < 1:
+        raise InvalidRequestError("--max-tokens must be >= 1", "max_tokens")
+    if settings.repeats < 1:
+        raise InvalidRequestError("--repeats must be >= 1", "repeats")
+    if settings.warmup < 0:
+        raise InvalidRequestError("--warmup must be >= 0", "warmup")
+    device = resolve_device(settings.device)
+    canon = canonical_dtype(device)
+    canon(settings.dtype)  # a bad --dtype fails here
+    configs, baselines = with_baselines(configs, settings.dtype, settings.quantize, canon)
+
+    # -- specdec targets: one load per (dtype, quantize), shared by every configuration on it ----
+    targets: dict[tuple, Engine] = {}
+    described: dict[str, str] = {}
+    runners: dict[str, object] = {}
+    skipped: dict[str, str] = {}
+    drafts: dict[tuple, tuple] = {}  # (path, dtype) -> (draft model, its tokenizer)
+    for c in configs:
+        if c.family != "specdec":
+            continue
+        key = target_key(c, settings.dtype, settings.quantize, canon)
+        if key not in targets:
+            log(f"loading the target {settings.model} ({key[0]}{', int8' if key[1] == 'int8' else ''})")
+            targets[key] = Engine.load(settings.model, "none", device=device, dtype=key[0], quantize=key[1],
+                                       progress=_load_progress(log))
+        base = targets[key]
+        described[c.label] = f"specdec {key[0]}" + (" int8" if key[1] == "int8" else "")
+        runners[c.label] = SpecdecRunner(c, base.model, base.tokenizer, _drafter_factory(c, base, drafts, log),
+                                         device)
+    first = next(iter(targets.values()))
+    tokenizer, cfg = first.tokenizer, first.model.config
+
+    # -- prompts -> token ids, checked before anything runs --------------------------------------
+    prompt_ids: list[tuple[int, ...]] = []
+    for p in prompts:
+        if p.ids is not None:
+            ids = tuple(p.ids)
+            if max(ids) >= cfg.vocab_size:
+                raise InvalidRequestError(f"prompt {p.id}: token ids must be < the vocabulary size {cfg.vocab_size}",
+                                          "prompts")
+        elif tokenizer is None:
+            raise InvalidRequestError(f"prompt {p.id} is text but {settings.model} has no tokenizer: give prompt_ids "
+                                      "in a --prompts file (and --tasks none)", "prompts")
+        else:
+            ids = tuple(tokenizer.encode(p.text))
+        # + k + 1: a verify block may reach that far past the last kept token.
+        if len(ids) + settings.max_tokens + 17 > cfg.max_position:
+            raise InvalidRequestError(f"prompt {p.id} has {len(ids)} tokens: with --max-tokens {settings.max_tokens} "
+                                      f"it exceeds the model's context of {cfg.max_position}", "prompts")
+        prompt_ids.append(ids)
+    infos = [PromptInfo(p.id, p.group, len(ids)) for p, ids in zip(prompts, prompt_ids)]
+
+    # -- peers -------------------------------------------------------------------------------------
+    hf_models: dict[str, object] = {}
+    eos = list(cfg.eos_token_ids)
+    for c in configs:
+        if c.family == "hf":
+            dtype = canon(str(c.options.get("dtype", "float32")))
+            if dtype not in hf_models:
+                log(f"loading the HF transformers model ({dtype})")
+                hf_models[dtype] = _load_hf(loader.resolve(settings.model, _load_progress(log)), dtype, device)
+            assistant = None
+            if c.kind == "hf-assist":
+                log(f"loading the HF assistant model {c.options['model']} ({dtype})")
+                assistant = _load_hf(loader.resolve(c.options["model"], _load_progress(log)), dtype, device)
+            runners[c.label] = HFRunner(c, hf_models[dtype], eos, device, assistant)
+            described[c.label] = f"HF transformers {dtype}"
+        elif c.family == "llama-cpp":
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
+                skipped[c.label] = "llama-cpp-python is not installed (pip install llama-cpp-python)"
+                log(f"skipping {c.label}: {skipped[c.label]}")
+                continue
+            gguf = _gguf_for(settings, c)
+            if gguf is None or not gguf.is_file():
+                skipped[c.label] = f"needs a GGUF file: add :model=PATH.gguf ({gguf or settings.model} is not one)"
+                log(f"skipping {c.label}: {skipped[c.label]}")
+                continue
+            threads = int(c.options.get("threads") or torch.get_num_threads())
+            n_ctx = max(len(ids) for ids in prompt_ids) + settings.max_tokens + max(c.k or 0, 16) + 8
+            log(f"loading llama.cpp on {gguf.name} ({threads} threads)")
+            runners[c.label] = LlamaCppRunner(c, gguf, threads, n_ctx, eos)
+            described[c.label] = f"llama.cpp {gguf.name}"
+    configs = [c for c in configs if c.label not in skipped]
+    baselines = {label: base for label, base in baselines.items() if label not in skipped}
+
+    # -- warm-up, then interleaved passes ----------------------------------------------------------
+    probe = MemoryProbe(device)
+    order = [runners[c.label] for c in configs]
+    if total:
+        total(settings.warmup * len(order) + settings.repeats * len(prompts) * len(order))
+    for _ in range(settings.warmup):
+        for r in order:
+            r.generate(prompt_ids[0], min(WARMUP_TOKENS, settings.max_tokens))
+            progress(f"warm-up {r.config.label}")
+    runs: list[Run] = []
+    for repeat in range(settings.repeats):
+        for r in order:
+            r.new_pass()
+        for p, ids in zip(prompts, prompt_ids):
+            for r in order:
+                probe.start()
+                run = r.generate(ids, settings.max_tokens)
+                run.peak_memory = probe.peak()
+                run.prompt_id, run.group, run.repeat = p.id, p.group, repeat
+                runs.append(run)
+                progress(r.config.label)
+    compare_outputs(runs, baselines)
+    return BenchResult(settings, configs, baselines, described, infos, runs, skipped, probe.kind,
+                       machine_info(device))
+
+
+def compare_outputs(runs: list[Run], baselines: dict[str, str]) -> None:
+    """Mark each run identical or not to its baseline's run on the same prompt and repeat."""
+    by_key = {(r.config, r.prompt_id, r.repeat): r for r in runs}
+    for r in runs:
+        base = by_key.get((baselines.get(r.config), r.prompt_id, r.repeat))
+        if base is None:
+            continue
+        r.identical = r.token_ids == base.token_ids
+        r.first_divergence = None if r.identical else first_divergence(r.token_ids, base.token_ids)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    """Index of the first token where two outputs differ (the shorter length if one is a prefix)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def _drafter_factory(c: BenchConfig, base, drafts: dict, log) -> Callable[[], object]:
+    """A function returning the configuration's drafter: a fresh lookup drafter per call, or the
+    draft model loaded once (its per-request state is reset by `begin` anyway)."""
+    if c.kind == "plain":
+        return lambda: None
+    if c.kind in ("ngram", "suffix"):
+        return lambda: lookup_drafter(c.kind, c.options)
+    from ..drafters.draft_model import DEFAULT_DRAFT_P_MIN, DraftModelDrafter
+    from ..models import loader
+    from ..tokenizer import Tokenizer
+
+    weight = base.model.embed_tokens.weight
+    key = (str(c.options["model"]), weight.dtype)
+    if key not in drafts:
+        log(f"loading the draft model {c.options['model']}")
+        model, folder = loader.load(c.options["model"], weight.dtype, weight.device, _load_progress(log))
+        drafts[key] = (model, Tokenizer.from_folder(folder))
+    model, tokenizer = drafts[key]
+    p_min = c.options.get("p_min", DEFAULT_DRAFT_P_MIN)
+    drafter = DraftModelDrafter(model, base.model.config.vocab_size, p_min, tokenizer, base.tokenizer)
+    return lambda: drafter
+
+
+def _load_hf(folder: Path, dtype: str, device: str):
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+    except ImportError as exc:  # pragma: no cover - transformers is a dependency
+        raise SpecdecError(f"HF peers need transformers: {exc}") from exc
+    hf_logging.set_verbosity_error()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as exc:
+        raise SpecdecError(f"HF transformers cannot load {folder}: {exc}") from exc
+    return model.to(device).eval()
+
+
+def _load_progress(log):
+    def progress(done: int, total: int) -> None:
+        if done == 0:
+            log("converting the GGUF file once (later loads are fast)")
+
+    return progress

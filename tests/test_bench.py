@@ -1,0 +1,364 @@
+"""`specdec bench`: configuration parsing, prompt selection, the bound, summaries, a real end-to-end
+run on a tiny model (runner, JSON, Markdown, plot), and one-line CLI errors."""
+
+import json
+import random
+import sys
+import types
+
+import pytest
+
+from specdec.bench import configs as C
+from specdec.bench import prompts as P
+from specdec.bench import report as R
+from specdec.bench.runner import BenchResult, PromptInfo, Run, Settings, compare_outputs, first_divergence
+from specdec.cli import main
+from specdec.errors import InvalidRequestError
+
+from conftest import make_tiny_hf
+
+# -- configurations ------------------------------------------------------------------------------
+
+
+def test_parse_configs_fills_defaults_and_keeps_labels():
+    got = C.parse_configs("plain, ngram:k=8:adaptive ,suffix:max_ngram=5,draft:k=4,hf-lookup,hf:dtype=bf16",
+                          draft_model="/some/draft")
+    assert [c.label for c in got] == ["plain", "ngram:k=8:adaptive", "suffix:max_ngram=5", "draft:k=4",
+                                      "hf-lookup", "hf:dtype=bf16"]
+    plain, ngram, suffix, draft, lookup, hf = got
+    assert not plain.speculative and plain.k is None and plain.family == "specdec"
+    assert ngram.k == 8 and ngram.adaptive and ngram.speculative
+    assert suffix.options == {"k": 5, "max_ngram": 5}
+    assert draft.options["model"] == "/some/draft" and draft.k == 4
+    assert lookup.options == {"k": 10, "n": 2} and lookup.family == "hf"
+    assert hf.options == {"dtype": "bf16"} and not hf.speculative
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("", "empty"),
+    ("plain,,ngram", "empty entry"),
+    ("beam", "unknown configuration 'beam'"),
+    ("ngram:depth=3", "unknown option 'depth'"),
+    ("ngram:k", "needs a value"),
+    ("ngram:k=five", "not a valid int"),
+    ("ngram:k=0", "k must be >= 1"),
+    ("ngram:adaptive=no", "is a flag"),
+    ("plain:dtype=float64", "dtype must be one of"),
+    ("ngram:quantize=int4", "quantize must be one of"),
+    ("ngram:min_ngram=4", "min_ngram <= max_ngram"),
+    ("draft:k=4", "needs a draft model"),
+    ("draft:p_min=2", "p_min must be in [0, 1]"),
+    ("ngram:k=5,ngram:k=5", "listed twice"),
+])
+def test_parse_configs_errors(text, fragment):
+    with pytest.raises(InvalidRequestError, match="configs|") as info:
+        C.parse_configs(text)
+    assert fragment in str(info.value)
+    assert info.value.param == "configs"
+
+
+def test_with_baselines_adds_plain_per_target_and_maps_peers_to_the_default():
+    canon = {"auto": "float32", "fp32": "float32", "bf16": "bfloat16"}.get
+    configs = C.parse_configs("ngram:k=5,ngram:k=5:quantize=int8,ngram:dtype=fp32,hf,suffix:dtype=bf16")
+    full, base = C.with_baselines(configs, "auto", "none", lambda d: canon(d, d))
+    labels = [c.label for c in full]
+    # One plain per target, each placed before its first user; "fp32" is the default target too.
+    assert labels == ["plain", "ngram:k=5", "plain:quantize=int8", "ngram:k=5:quantize=int8", "ngram:dtype=fp32",
+                      "hf", "plain:dtype=bf16", "suffix:dtype=bf16"]
+    assert base["ngram:k=5"] == base["ngram:dtype=fp32"] == base["hf"] == base["plain"] == "plain"
+    assert base["ngram:k=5:quantize=int8"] == "plain:quantize=int8"
+    assert base["suffix:dtype=bf16"] == "plain:dtype=bf16"
+    # A plain the user wrote is kept and used; none is added for peers-free int8-only lists.
+    full, base = C.with_baselines(C.parse_configs("ngram:quantize=int8,plain:quantize=int8"), "auto", "none")
+    assert [c.label for c in full] == ["ngram:quantize=int8", "plain:quantize=int8"]
+    assert base["ngram:quantize=int8"] == "plain:quantize=int8"
+
+
+# -- prompts -------------------------------------------------------------------------------------
+
+
+def _fake_spec_bench(path):
+    rows = []
+    qid = 0
+    for cat in P.MT_BENCH_CATEGORIES:
+        for _ in range(2):
+            qid += 1
+            rows.append({"question_id": qid, "category": cat, "turns": [f"{cat} question {qid}", "second turn"]})
+    for cat in ("translation", "summarization", "qa", "math_reasoning", "rag"):
+        for _ in range(10):
+            qid += 1
+            rows.append({"question_id": qid, "category": cat, "turns": [f"{cat} question {qid}"]})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_select_prompts_spreads_each_group_and_applies_the_template(tmp_path):
+    sb = _fake_spec_bench(tmp_path / "q.jsonl")
+    got = P.select_prompts(P.parse_tasks("spec_bench"), 4, sb)
+    groups = [p.group for p in got]
+    assert groups == [g for g in P.SPEC_BENCH_GROUPS for _ in range(4)]
+    qa = [p for p in got if p.group == "qa"]
+    # Evenly spread over the group's 10 questions (ids 37..46 in file order): 0, 2, 5, 7.
+    assert [p.id for p in qa] == ["qa-37", "qa-39", "qa-42", "qa-44"]
+    assert qa[0].text == "Question: qa question 37\nAnswer:"
+    mt = [p for p in got if p.group == "mt_bench"]
+    assert len({p.text.split()[1] for p in mt}) == 4  # spread over several MT-bench categories
+    # The first turn only, wrapped in a custom template; single categories and `code` work as groups.
+    got = P.select_prompts(P.parse_tasks("coding,code"), 0, sb, template="{prompt}")
+    assert [p.text for p in got[:2]] == ["coding question 9", "coding question 10"]
+    assert [p.group for p in got[2:]] == ["code"] * len(P.CODE_PROMPTS) and got[2].text == P.CODE_PROMPTS[0]
+
+
+def test_prompt_files_and_prompt_errors(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"prompt": "raw text"}\n\n{"turns": ["a question"], "group": "g", "id": "x"}\n'
+                 '{"prompt_ids": [5, 6, 7], "category": "ids"}\n')
+    got = P.select_prompts(P.parse_tasks("none"), 1, None, [str(f)])
+    assert [(p.id, p.group) for p in got] == [("mine-1", "mine"), ("x", "g"), ("mine-4", "ids")]
+    assert got[0].text == "raw text" and got[1].text == "Question: a question\nAnswer:" and got[2].ids == (5, 6, 7)
+
+    def error(fn, *a, **kw):
+        with pytest.raises(InvalidRequestError) as info:
+            fn(*a, **kw)
+        return str(info.value)
+
+    assert "unknown task 'chat'" in error(P.parse_tasks, "qa,chat")
+    assert "Spec-Bench questions not found" in error(P.select_prompts, ["qa"], 1, tmp_path / "missing.jsonl")
+    assert "no prompts selected" in error(P.select_prompts, [], 1, None)
+    assert "{prompt}" in error(P.select_prompts, ["code"], 1, None, template="Q: {question}")
+    assert "--per-group" in error(P.select_prompts, ["code"], -1, None)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{not json\n')
+    assert "bad.jsonl:2: not valid JSON" in error(P.load_prompt_file, bad)
+    bad.write_text('{"prompt_ids": [1, -2]}\n')
+    assert "prompt_ids must be a non-empty list" in error(P.load_prompt_file, bad)
+    bad.write_text('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n')
+    assert "occurs twice" in error(P.select_prompts, [], 1, None, [str(bad)])
+    assert "not found" in error(P.load_prompt_file, tmp_path / "nope.jsonl")
+
+
+def test_real_spec_bench_file_has_the_six_groups():
+    path = P.spec_bench_path()
+    if path is None:
+        pytest.skip("../shared/spec_bench/question.jsonl is not here")
+    got = P.select_prompts(P.parse_tasks("spec_bench"), 3, path)
+    assert [p.group for p in got] == [g for g in P.SPEC_BENCH_GROUPS for _ in range(3)]
+    assert all(p.text.startswith("Question: ") and p.text.endswith("\nAnswer:") for p in got)
+
+
+# -- the bound and the summaries -------------------------------------------------------------------
+
+
+def test_leviathan_bound_formula():
+    # Expected tokens per step = sum_{i=0..k} alpha^i (each draft accepted w.p. alpha, + 1 from the target).
+    for alpha, k in [(0.0, 4), (0.3, 1), (0.6, 5), (0.9, 8)]:
+        assert R.expected_tokens_per_step(alpha, k) == pytest.approx(sum(alpha**i for i in range(k + 1)))
+    assert R.expected_tokens_per_step(1.0, 5) == 6.0
+    # Leviathan et al.'s closed form, and its limits.
+    assert R.leviathan_bound(0.8, 4, 0.05) == pytest.approx((1 - 0.8**5) / ((1 - 0.8) * (4 * 0.05 + 1)))
+    assert R.leviathan_bound(0.0, 4, 0.1) == pytest.approx(1 / 1.4)  # nothing accepted: pure cost
+    assert R.leviathan_bound(1.0, 4, 0.0) == 5.0
+    # Steps without a draft are plain steps: f = 0 gives 1 token per (drafting-cost-inflated) step.
+    assert R.leviathan_bound(0.9, 4, 0.0, draft_share=0.0) == 1.0
+    assert R.leviathan_bound(0.5, 3, 0.0, draft_share=0.5) == pytest.approx(0.5 * 1.875 + 0.5)
+    with pytest.raises(ValueError):
+        R.leviathan_bound(1.2, 4, 0.0)
+
+
+def _run(config, pid, wall, tokens, forwards=None, prefill=0.0, **kw):
+    return Run(config, pid, "g", 0, 10, len(tokens), wall, list(tokens), prefill_s=prefill,
+               target_forwards=forwards, **kw)
+
+
+def test_summaries_compute_speedup_alpha_bound_and_identity():
+    # Plain: 8 tokens from 8 forwards (the prefill emits the first, then 7 decode steps) in 1 s.
+    plain = [_run("plain", "a", 1.0, range(8), forwards=8, prefill=0.3),
+             _run("plain", "b", 1.0, range(8), forwards=8, prefill=0.3)]
+    # Speculative: prompt a identical; prompt b diverges at token 5. Per run: 4 decode steps, of
+    # which 3 drafted (k = 2 each: 6 drafted), 4 accepted; verified = 4 accepted + 2 rejections.
+    spec_kw = dict(drafts=3, draft_tokens=6, accepted_tokens=4, tested_tokens=6,
+                   accepted_per_position=[3, 1], drafted_per_position=[3, 3], draft_s=0.01)
+    spec = [_run("ngram", "a", 0.5, range(8), forwards=5, prefill=0.3, **spec_kw),
+            _run("ngram", "b", 0.5, [0, 1, 2, 3, 4, 9, 9, 9], forwards=5, prefill=0.3, **spec_kw)]
+    peer = [_run("hf", "a", 2.0, range(8)), _run("hf", "b", 2.0, range(7))]
+    configs = C.parse_configs("plain,ngram:k=2,hf")
+    configs[1] = C.BenchConfig("ngram", "ngram", {"k": 2})
+    baselines = {"plain": "plain", "ngram": "plain", "hf": "plain"}
+    runs = plain + spec + peer
+    compare_outputs(runs, baselines)
+    result = BenchResult(Settings(), configs, baselines, {}, [PromptInfo("a", "g", 10), PromptInfo("b", "g", 10)],
+                         runs, {}, "peak RSS", {})
+    got = {(s.config, s.group): s for s in R.summarize(result)}
+    assert set(got) == {(c, g) for c in ("plain", "ngram", "hf") for g in ("g", "all")}
+    s = got[("ngram", "all")]
+    assert s.tokens_per_s == pytest.approx(16.0) and s.speedup == pytest.approx(2.0)
+    assert s.acceptance_rate == pytest.approx(4 / 6) and s.alpha == pytest.approx(4 / 6)
+    assert s.mean_accepted_length == pytest.approx(1 + 4 / 3)
+    assert s.acceptance_by_position == [1.0, pytest.approx(1 / 3)]
+    assert s.draft_share == pytest.approx(6 / 8) and s.draft_length == 2.0
+    assert s.forwards_per_token == pytest.approx(10 / 16)
+    assert (s.identical, s.compared, s.first_divergence) == (1, 2, 5)
+    # Plain step = 0.7 s / 7 steps = 0.1 s; drafting 0.01 s per 4 steps -> kc = 0.025, c = 0.0125.
+    assert s.cost_ratio == pytest.approx(0.0125)
+    assert s.step_cost == pytest.approx((0.2 / 4) / 0.1)
+    assert s.bound == pytest.approx(R.leviathan_bound(4 / 6, 2.0, 0.0125, 0.75))
+    assert s.bound_always_drafting == pytest.approx(R.leviathan_bound(4 / 6, 2.0, 0.0125))
+    h = got[("hf", "all")]
+    assert h.speedup == pytest.approx((15 / 4) / 8) and h.alpha is None and h.bound is None
+    assert (h.identical, h.compared, h.first_divergence) == (1, 2, 7)  # a prefix: diverges at its end
+    head = R.headline(result, R.summarize(result))
+    assert head["best"] == "ngram" and head["vs_peers"]["hf"] == pytest.approx(16 / (15 / 4))
+    assert first_divergence([1, 2, 3], [1, 2, 3, 4]) == 3 and first_divergence([1, 5], [1, 2]) == 1
+
+
+# -- a real run on a tiny model ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    folder, _ = make_tiny_hf(tmp, "llama")
+    rnd = random.Random(0)
+    lines = []
+    for i in range(2):
+        motif = [rnd.randrange(1, 97) for _ in range(10)]
+        # Repetitive prompts, so the lookup drafters find drafts.
+        lines.append(json.dumps({"prompt_ids": motif * 3, "group": f"grp{i % 2}", "id": f"p{i}"}))
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    return tmp, folder, prompts
+
+
+def test_end_to_end_on_a_tiny_model(tiny, capsys, monkeypatch):
+    tmp, folder, prompts = tiny
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as when llama-cpp-python is not installed
+    out_json, out_md, out_png = tmp / "r.json", tmp / "r.md", tmp / "r.png"
+    configs = "ngram:k=3,suffix:k=3,hf,hf-lookup:k=3,llama-cpp"
+    code = main(["bench", "--model", str(folder), "--configs", configs, "--tasks", "none", "--prompts", str(prompts),
+                 "--max-tokens", "12", "--repeats", "2", "--json", str(out_json), "--markdown", str(out_md),
+                 "--plot", str(out_png)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    data = json.loads(out_json.read_text())
+    labels = ["plain", "ngram:k=3", "suffix:k=3", "hf", "hf-lookup:k=3"]  # plain added, llama-cpp skipped
+    assert [c["label"] for c in data["configs"]] == labels
+    assert "llama-cpp" in data["skipped"] and "not installed" in data["skipped"]["llama-cpp"]
+    # Interleaved: repeat by repeat, prompt by prompt, every configuration in turn.
+    order = [(r["repeat"], r["prompt_id"], r["config"]) for r in data["runs"]]
+    assert order == [(rep, p, c) for rep in (0, 1) for p in ("p0", "p1") for c in labels]
+    for r in data["runs"]:
+        assert r["new_tokens"] == len(r["token_ids"]) <= 12 and r["prompt_tokens"] == 30 and r["wall_s"] > 0
+        if r["config"] != "plain":
+            # Greedy float32: speculation is lossless, and HF runs the same weights.
+            assert r["identical"] is True, r
+    spec = [r for r in data["runs"] if r["config"] in ("ngram:k=3", "suffix:k=3")]
+    assert all(r["target_forwards"] <= r["new_tokens"] for r in spec)
+    assert sum(r["draft_tokens"] for r in spec) > 0 and all(r["draft_s"] > 0 for r in spec)
+    assert all(r["peak_memory"] > 10 * 2**20 for r in data["runs"])
+    summary = {(s["config"], s["group"]): s for s in data["summary"]}
+    assert set(summary) == {(c, g) for c in labels for g in ("grp0", "grp1", "all")}
+    ngram = summary[("ngram:k=3", "all")]
+    assert ngram["alpha"] is not None and ngram["bound"] >= 1.0 - 1e-9 and ngram["speedup"] > 0
+    assert summary[("plain", "all")]["speedup"] == pytest.approx(1.0)
+    assert data["headline"]["best"] in ("plain", "ngram:k=3", "suffix:k=3")
+    assert set(data["headline"]["vs_peers"]) == {"hf", "hf-lookup:k=3"}
+    assert data["command"].startswith("specdec bench --model ") and "--repeats 2" in data["command"]
+    # Markdown: on stdout and in the file, one row per configuration; the skip is explained.
+    md = out_md.read_text()
+    assert captured.out == md
+    for label in labels:
+        assert f"| `{label}` |" in md
+    assert "skipped `llama-cpp`" in md and "4/4" in md  # every speculative output identical to plain
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 10_000
+    assert "bench: loading the target" in captured.err
+
+
+def test_lookup_drafters_are_fresh_each_pass(tiny):
+    from specdec.bench.runner import SpecdecRunner
+    from specdec.engine import Engine
+
+    _, folder, _ = tiny
+    engine = Engine.load(str(folder), dtype="float32")
+    cfg = C.parse_config("suffix:k=3")
+    runner = SpecdecRunner(cfg, engine.model, None, lambda: C.lookup_drafter("suffix", cfg.options), "cpu")
+    ids = tuple(range(1, 20)) * 2
+    runner.generate(ids, 8)
+    learned = runner.drafter.inner
+    assert learned.num_entries > 0
+    runner.new_pass()
+    assert runner.drafter.inner is not learned and runner.drafter.inner.num_entries == 0
+    assert runner.engine.model is engine.model  # the target is shared, not reloaded
+
+
+def test_llama_cpp_runner_passes_ids_greedy_and_stops(tmp_path, monkeypatch):
+    """The llama.cpp adapter against a stand-in module (the real package is optional)."""
+    from specdec.bench.runner import LlamaCppRunner
+
+    calls = []
+
+    class FakeLlama:
+        def __init__(self, **kwargs):
+            calls.append(("init", kwargs))
+
+        def token_eos(self):
+            return 99
+
+        def reset(self):
+            calls.append(("reset",))
+
+        def generate(self, tokens, **kw):
+            calls.append(("generate", list(tokens), kw))
+            yield from [7, 8, 9, 99, 5, 5]
+
+    class FakeLookup:
+        def __init__(self, max_ngram_size, num_pred_tokens):
+            self.args = (max_ngram_size, num_pred_tokens)
+
+    fake = types.ModuleType("llama_cpp")
+    fake.Llama = FakeLlama
+    speculative = types.ModuleType("llama_cpp.llama_speculative")
+    speculative.LlamaPromptLookupDecoding = FakeLookup
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
+    gguf = tmp_path / "m.gguf"
+    runner = LlamaCppRunner(C.parse_config("llama-cpp-lookup:k=6:threads=2"), gguf, 2, 128, [1])
+    init = calls[0][1]
+    assert init["model_path"] == str(gguf) and init["n_threads"] == 2 and init["draft_model"].args == (2, 6)
+    run = runner.generate((3, 4, 5), 10)
+    assert calls[1] == ("reset",) and calls[2][1] == [3, 4, 5] and calls[2][2]["temp"] == 0.0
+    assert run.token_ids == [7, 8, 9, 99] and run.new_tokens == 4  # stops at its EOS, prompt excluded
+    assert runner.generate((3,), 2).token_ids == [7, 8]  # and at max tokens
+
+
+# -- CLI errors: one line, exit 2 ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--configs", "plain,beam"], "unknown configuration 'beam'"),
+    (["--configs", "draft"], "needs a draft model"),
+    (["--tasks", "chat"], "unknown task 'chat'"),
+    (["--tasks", "none", "--prompts", "/nonexistent/p.jsonl"], "prompts file not found"),
+    (["--tasks", "code", "--plot", "out.jpg"], "give a .png"),
+    (["--tasks", "code", "--json", "/nonexistent/dir/r.json"], "folder does not exist"),
+    (["--tasks", "code", "--template", "no placeholder"], "{prompt}"),
+])
+def test_cli_errors_before_loading(extra, fragment, capsys):
+    assert main(["bench", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("specdec: error:") and fragment in err
+
+
+def test_cli_errors_after_loading(tiny, capsys, tmp_path):
+    _, folder, prompts = tiny
+    # Text prompts need a tokenizer; the tiny model has none.
+    assert main(["bench", "--model", str(folder), "--tasks", "code", "--configs", "plain", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("specdec: error: prompt code-1 is text") and "prompt_ids" in err[-1]
+    big = tmp_path / "big.jsonl"
+    big.write_text('{"prompt_ids": [1, 2, 500]}\n')
+    assert main(["bench", "--model", str(folder), "--tasks", "none", "--prompts", str(big), "--configs", "plain",
+                 "--no-progress"]) == 2
+    assert "token ids must be < the vocabulary size 97" in capsys.readouterr().err
+    assert main(["bench", "--model", str(folder), "--tasks", "none", "--prompts", str(prompts), "--configs", "plain",
+                 "--max-tokens", "600", "--no-progress"]) == 2
+    assert "exceeds the model's context of 512" in capsys.readouterr().err
