@@ -31,6 +31,22 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self._tok, "chat_template", None) or None
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of `messages` rendered by the model's chat template, ready for the reply."""
+        if not self.chat_template:
+            raise InvalidRequestError("this model's tokenizer has no chat template: use /v1/completions",
+                                      param="messages")
+        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # The template writes any BOS itself: do not add special tokens a second time.
+        ids = list(self._tok(text, add_special_tokens=False).input_ids)
+        if not ids:
+            raise InvalidRequestError("the chat prompt is empty", param="messages")
+        return ids
+
 
 class Detokenizer:
     """Turns a growing list of token ids into text deltas for streaming.

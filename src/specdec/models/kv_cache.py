@@ -72,6 +72,29 @@ class KVCache:
         else:
             self.lengths[row] = int(length)
 
+    def rows(self, stop: int, start: int = 0) -> "KVCache":
+        """A view of rows `[start, stop)` sharing this cache's storage (for continuous batching).
+
+        Writes, length moves and truncations through the view land in this cache, so a scheduler
+        can run `forward` over just the rows in use.
+        """
+        view = KVCache.__new__(KVCache)
+        view.keys = [k[start:stop] for k in self.keys]
+        view.values = [v[start:stop] for v in self.values]
+        view.positions = self.positions[start:stop]
+        view.lengths = self.lengths[start:stop]
+        view.capacity = self.capacity
+        return view
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy row `src`'s filled slots (keys, values, positions, length) into row `dst`."""
+        n = int(self.lengths[src])
+        for store in (self.keys, self.values):
+            for layer_cache in store:
+                layer_cache[dst, :, :n] = layer_cache[src, :, :n]
+        self.positions[dst, :n] = self.positions[src, :n]
+        self.lengths[dst] = n
+
     def compact(self, indices: list[int], start: int, row: int = 0) -> None:
         """Keep the slots `start + i` for i in `indices` (an accepted tree path), packed at `start`.
 
