@@ -49,6 +49,7 @@ def test_parse_configs_fills_defaults_and_keeps_labels():
     ("draft:k=4", "needs a draft model"),
     ("draft:p_min=2", "p_min must be in [0, 1]"),
     ("ngram:k=5,ngram:k=5", "listed twice"),
+    ("eagle:head=/nonexistent/head", "no EAGLE head"),
 ])
 def test_parse_configs_errors(text, fragment):
     with pytest.raises(InvalidRequestError, match="configs|") as info:
@@ -271,6 +272,24 @@ def test_end_to_end_on_a_tiny_model(tiny, capsys, monkeypatch):
     assert "skipped `llama-cpp`" in md and "4/4" in md  # every speculative output identical to plain
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 10_000
     assert "bench: loading the target" in captured.err
+
+
+def test_draft_model_configs_share_one_loaded_draft(tiny, capsys):
+    """A draft model (here the target itself, so every greedy draft is accepted) and HF's assistant."""
+    tmp, folder, prompts = tiny
+    out_json = tmp / "draft.json"
+    code = main(["bench", "--model", str(folder), "--configs", "draft:k=3:p_min=0,draft:k=2:p_min=0,hf-assist:k=3",
+                 "--draft-model", str(folder), "--tasks", "none", "--prompts", str(prompts), "--max-tokens", "10",
+                 "--warmup", "0", "--no-progress", "--json", str(out_json)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert err.count("loading the draft model") == 1 and err.count("loading the target") == 1
+    summary = {(s["config"], s["group"]): s for s in json.loads(out_json.read_text())["summary"]}
+    for label in ("draft:k=3:p_min=0", "draft:k=2:p_min=0"):
+        s = summary[(label, "all")]
+        assert s["alpha"] == 1.0 and s["acceptance_by_position"] == [1.0] * len(s["acceptance_by_position"])
+        assert s["identical"] == s["compared"] == 2 and s["cost_ratio"] > 0
+    assert summary[("hf-assist:k=3", "all")]["identical"] == 2
 
 
 def test_lookup_drafters_are_fresh_each_pass(tiny):

@@ -7,6 +7,7 @@ An option is `key=value` or a bare flag (`adaptive`). Examples::
     ngram:k=8:adaptive         ... with the +2/-1 adaptive draft length starting at 8
     suffix:k=5                 suffix cache (learns across the requests of the run)
     draft:model=PATH:k=4       a draft model (or give --draft-model PATH once)
+    eagle:k=5                  the shipped EAGLE head (eagle:head=DIR for another one)
     plain:quantize=int8        the same target quantised (when Engine.load takes `quantize`)
     hf                         HF transformers generate, greedy, float32
     hf-lookup:k=10             HF prompt-lookup assisted generation (prompt_lookup_num_tokens)
@@ -37,6 +38,8 @@ KINDS: dict[str, tuple[str, dict[str, object]]] = {
                            "dtype": _DTYPE, "quantize": str}),
     "draft": ("specdec", {"k": int, "adaptive": "flag", "model": str, "p_min": float,
                           "dtype": _DTYPE, "quantize": str}),
+    "eagle": ("specdec", {"k": int, "adaptive": "flag", "head": str, "p_min": float,
+                          "dtype": _DTYPE, "quantize": str}),
     "hf": ("hf", {"dtype": _DTYPE}),
     "hf-lookup": ("hf", {"k": int, "n": int, "dtype": _DTYPE}),
     "hf-assist": ("hf", {"k": int, "adaptive": "flag", "model": str, "dtype": _DTYPE}),
@@ -47,7 +50,7 @@ KINDS: dict[str, tuple[str, dict[str, object]]] = {
 # Defaults per kind where an option is left out. specdec's k matches Engine's default; the HF and
 # llama.cpp lookup defaults are their own libraries' documented ones (10 tokens, 2-gram match).
 DEFAULTS: dict[str, dict[str, object]] = {
-    "ngram": {"k": 5}, "suffix": {"k": 5}, "draft": {"k": 5},
+    "ngram": {"k": 5}, "suffix": {"k": 5}, "draft": {"k": 5}, "eagle": {"k": 5},
     "hf-lookup": {"k": 10, "n": 2}, "hf-assist": {"k": 5},
     "llama-cpp-lookup": {"k": 10, "n": 2},
 }
@@ -128,6 +131,13 @@ def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
         if not options["model"]:
             raise InvalidRequestError(f"{item!r} needs a draft model: add :model=PATH or pass --draft-model PATH",
                                       "configs")
+    if kind == "eagle":
+        from ..drafters.eagle import eagle_head_path
+
+        try:  # a missing head fails now, not after the target loads
+            eagle_head_path(eagle_name(options))
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{item!r}: {exc}", "configs") from None
     if kind in ("ngram", "suffix"):
         # The drafter's own constructor knows its defaults and limits; building one is instant and
         # touches no model, so a bad n-gram range fails here, before anything slow.
@@ -136,6 +146,11 @@ def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{item!r}: {exc}", "configs") from None
     return BenchConfig(item.strip(), kind, options)
+
+
+def eagle_name(options: dict) -> str:
+    """The drafter name Engine.load / make_drafter take: `eagle` or `eagle:DIR`."""
+    return f"eagle:{options['head']}" if options.get("head") else "eagle"
 
 
 def lookup_drafter(kind: str, options: dict):

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidRequestError, SpecdecError
-from .configs import BenchConfig, lookup_drafter, target_key, with_baselines
+from .configs import BenchConfig, eagle_name, lookup_drafter, target_key, with_baselines
 from .prompts import BenchPrompt
 
 WARMUP_TOKENS = 16  # tokens per warm-up generation: enough to run the decode loop, cheap
@@ -513,6 +513,12 @@ def _drafter_factory(c: BenchConfig, base, drafts: dict, log) -> Callable[[], ob
         return lambda: None
     if c.kind in ("ngram", "suffix"):
         return lambda: lookup_drafter(c.kind, c.options)
+    if c.kind == "eagle":
+        from ..engine import make_drafter
+
+        log(f"loading the EAGLE head {c.options.get('head') or '(shipped)'}")
+        drafter = make_drafter(eagle_name(c.options), base.model, base.tokenizer, c.options.get("p_min"))
+        return lambda: drafter
     from ..drafters.draft_model import DEFAULT_DRAFT_P_MIN, DraftModelDrafter
     from ..models import loader
     from ..tokenizer import Tokenizer
