@@ -1,0 +1,441 @@
+"""EAGLE-style drafter: a one-layer head that drafts from the target's own features.
+
+The head (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty")
+predicts the target's next *feature* rather than the next token directly: the output head turns a
+feature into a token distribution, and features are far more regular than tokens.
+
+One head step, for a token x_j at position j whose predecessor's feature f_{j-1} is known:
+
+    z       = fc([f_{j-1} ; embed(x_j)])                         2h -> h
+    f^_j    = final_norm(Block(z))                                one decoder layer of the target's
+                                                                  architecture, its own KV cache
+    logits  = head[d2t] @ f^_j                                    the target's output rows for a
+                                                                  sub-vocabulary only
+
+`f` here is what `Transformer.forward` returns as `hidden`: the target's *final-normed* hidden
+state, i.e. exactly what its output head reads. (EAGLE uses the pre-norm state; the normed one is
+what the runtime already hands out, and training and drafting both use it, so the head learns the
+space it is asked to predict. Its own output goes through the target's final norm so that f^ lives
+in that same space.) `f^_j` predicts x_{j+1}, and is fed back as the feature of the next step: the
+head is autoregressive over its own features for k steps.
+
+Sub-vocabulary. Gemma 3's output head has 262k rows; a draft step pays only for the `d2t` rows
+(draft index -> target id, the most frequent ids of the training data, as in EAGLE-3 / FR-Spec).
+Ids outside it get probability 0: the drafter never proposes them, and verification stays exact
+because it only ever needs q of the proposed tokens and the residual max(0, p - q). The head
+stores no copy of those rows: it gathers them from the target's `lm_head` at load time, and takes
+the target's embedding and final norm by reference too. Its file holds the fc, the decoder layer
+and `d2t` only.
+
+Feature and cache bookkeeping (see `EagleDrafter`). Head entry j consumes (f_{j-1}, x_j) and sits
+at rope position j, in cache slot j - 1. The engine hands over the target's true features of
+every token its cache commits (`observe`); entries built from true features are kept across steps,
+entries built from the head's own predictions (the draft steps) are rolled back after each
+proposal, and rebuilt from true features once the target has scored those tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from specdec.drafters.base import Proposal, check_k, common_prefix_length
+from specdec.drafters.draft_model import check_draft_p_min
+from specdec.errors import InvalidRequestError
+from specdec.models.kv_cache import KVCache
+from specdec.models.transformer import Block, ModelConfig, Transformer
+from specdec.sampling import SamplingParams, make_generator, process_logits, sample
+
+FORMAT = "specdec-eagle"
+FORMAT_VERSION = 1
+CONFIG_FILE = "eagle.json"
+WEIGHTS_FILE = "eagle.safetensors"
+DEFAULT_HEAD_DIR = Path(__file__).parent / "eagle_default"
+_INITIAL_ROOM = 256  # head cache slots beyond the prompt at `begin`; doubles when full
+
+
+# -- names: "eagle" (the shipped head) or "eagle:PATH" ---------------------------------------------
+
+
+def is_eagle_name(name: str | None) -> bool:
+    return isinstance(name, str) and (name == "eagle" or name.startswith("eagle:"))
+
+
+def eagle_head_path(name: str) -> Path:
+    """The folder a drafter name `eagle` / `eagle:PATH` names; raises if it holds no head."""
+    path = DEFAULT_HEAD_DIR if name == "eagle" else Path(name[len("eagle:"):]).expanduser()
+    if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+        where = "the shipped default head" if name == "eagle" else repr(str(path))
+        raise InvalidRequestError(
+            f"no EAGLE head at {where}: a head folder holds {CONFIG_FILE} and {WEIGHTS_FILE} "
+            "(make one with `specdec train-draft --kind eagle --out DIR`)", "drafter")
+    return path
+
+
+# -- the head ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """What a saved head records besides its weights; the rest comes from the target's config."""
+
+    hidden_size: int  # must equal the target's
+    target_vocab_size: int  # must equal the target's
+    intermediate_size: int  # the head's MLP width (the target's or smaller)
+    draft_vocab_size: int  # len(d2t)
+    target_num_layers: int  # for the error message when a head meets the wrong target
+    rope_theta: float  # the head's one layer uses global attention with this base
+
+    def block_config(self, target: ModelConfig) -> ModelConfig:
+        """The target's config cut to one global-attention layer of the head's MLP width."""
+        rope = dataclasses.replace(_global_rope(target), theta=self.rope_theta)
+        return dataclasses.replace(target, num_layers=1, intermediate_size=self.intermediate_size,
+                                   layer_rope=(rope,), layer_window=(None,), vocab_size=1)
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, draft_vocab_size: int, intermediate_size: int | None = None):
+        return cls(target.hidden_size, target.vocab_size, intermediate_size or target.intermediate_size,
+                   draft_vocab_size, target.num_layers, _global_rope(target).theta)
+
+
+def _global_rope(target: ModelConfig):
+    """The rope of the target's last global-attention layer (its last layer if all are local)."""
+    ropes = [r for r, w in zip(target.layer_rope, target.layer_window) if w is None]
+    return (ropes or list(target.layer_rope))[-1]
+
+
+class EagleHead(nn.Module):
+    """The trainable part: fc (2h -> h) and one decoder layer. Target pieces are passed in."""
+
+    def __init__(self, block_cfg: ModelConfig):
+        super().__init__()
+        h = block_cfg.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.block = Block(block_cfg)
+        self.head_dim = block_cfg.head_dim
+        self.register_buffer("inv_freq", block_cfg.layer_rope[0].inv_freq(block_cfg.head_dim).float(),
+                             persistent=False)
+
+    def forward(
+        self,
+        features: Tensor,  # [B, T, h] f_{j-1}: true target features or the head's own predictions
+        embeds: Tensor,  # [B, T, h] scaled target embeddings of x_j
+        positions: Tensor,  # [B, T] j
+        cache: KVCache,  # one layer; the new entries go right after each row's length
+        mask: Tensor | None = None,  # [B, T, T] bool among the new entries; None = causal
+        visible: Tensor | None = None,  # [B, 1, T, S] bool over the first S slots: overrides the rule
+    ) -> Tensor:  # [B, T, h] the layer's output, before the target's final norm
+        b, t, _ = features.shape
+        cache.check_room(t)
+        start = cache.lengths  # [B]
+        slots = start[:, None] + torch.arange(t, device=features.device)  # [B, T]
+        cache.positions.scatter_(1, slots, positions)
+        span = int(start.max()) + t
+        if visible is None:
+            # One global-attention layer: a query sees every committed slot before its row's
+            # start, and the new entries per `mask` (causal by default; a tree mask for trees).
+            rel = torch.arange(span, device=features.device)[None, None, :] - start[:, None, None]  # [B, 1, S]
+            if mask is None:
+                block_ok = rel <= torch.arange(t, device=features.device)[None, :, None]  # [B, T, S]
+            else:
+                block_ok = mask.gather(2, rel.clamp(0, t - 1).expand(-1, t, -1))
+            visible = ((rel < 0) | ((rel < t) & block_ok))[:, None]  # [B, 1, T, S]
+        angles = positions[:, None, :, None].float() * self.inv_freq  # [B, 1, T, d/2]
+        x = self.fc(torch.cat([features, embeds], dim=-1))
+        x = self.block(x, angles.cos(), angles.sin(), cache, 0, slots, visible)
+        cache.lengths += t
+        return x
+
+
+class EagleModel(nn.Module):
+    """The head bound to its target: embedding, final norm and the sub-vocabulary's output rows.
+
+    Only `head` is trainable and saved (with `d2t`); the target's pieces are references (the
+    embedding, the norm) or a gathered copy of `d2t`'s rows of the output head.
+    """
+
+    def __init__(self, spec: HeadSpec, target: Transformer, d2t: Tensor, head: EagleHead | None = None):
+        super().__init__()
+        cfg = target.config
+        if spec.hidden_size != cfg.hidden_size or spec.target_vocab_size != cfg.vocab_size:
+            raise InvalidRequestError(
+                f"this EAGLE head was trained for a target of hidden size {spec.hidden_size}, vocabulary "
+                f"{spec.target_vocab_size} and {spec.target_num_layers} layers; the target has hidden size "
+                f"{cfg.hidden_size}, vocabulary {cfg.vocab_size}: train one for it with `specdec train-draft`",
+                "drafter")
+        if d2t.dim() != 1 or len(d2t) != spec.draft_vocab_size or int(d2t.max()) >= cfg.vocab_size or int(d2t.min()) < 0:
+            raise InvalidRequestError("the EAGLE head's d2t map does not fit its target's vocabulary", "drafter")
+        self.spec = spec
+        weight = target.embed_tokens.weight
+        self.head = head if head is not None else EagleHead(spec.block_config(cfg))
+        self.head.to(device=weight.device, dtype=weight.dtype)
+        # References, not copies: the target's modules are frozen and shared.
+        self._target = [target]  # a list so nn.Module does not register (and save) the target
+        self.register_buffer("d2t", d2t.to(device=weight.device, dtype=torch.long), persistent=False)
+        self.register_buffer("head_rows", target.lm_head.weight.detach()[self.d2t].clone(), persistent=False)
+        self.embed_scale = cfg.embed_scale
+        self.softcap = cfg.final_logit_softcap
+        self.target_vocab_size = cfg.vocab_size
+
+    @property
+    def target(self) -> Transformer:
+        return self._target[0]
+
+    def embed(self, tokens: Tensor) -> Tensor:  # [B, T] -> [B, T, h], scaled like the target's input
+        x = self.target.embed_tokens.weight.detach()[tokens]
+        if self.embed_scale != 1.0:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
+    def step(
+        self,
+        features: Tensor,  # [B, T, h] f_{j-1}
+        tokens: Tensor,  # [B, T] x_j
+        positions: Tensor,  # [B, T] j
+        cache: KVCache,
+        mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """One head pass -> (predicted features f^_j [B, T, h], sub-vocabulary logits [B, T, Vd] float32)."""
+        x = self.head(features, self.embed(tokens), positions, cache, mask)
+        feats = self.target.norm(x)
+        return feats, self.logits(feats)
+
+    def logits(self, feats: Tensor) -> Tensor:  # [..., h] -> [..., Vd] float32
+        logits = (feats @ self.head_rows.T).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def to_target(self, sub: Tensor, fill: float) -> Tensor:
+        """[..., Vd] -> [..., target vocab]: scatter into a row of `fill` (-inf logits, 0 probs)."""
+        out = sub.new_full((*sub.shape[:-1], self.target_vocab_size), fill)
+        return out.index_copy_(-1, self.d2t, sub)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        cfg = self.head.block.self_attn
+        p = self.head.fc.weight
+        return KVCache(1, 1, cfg.kv_heads, cfg.head_dim, capacity, p.dtype, p.device)
+
+    # -- files ------------------------------------------------------------------------------------
+
+    def save(self, folder: str | Path, extra: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Write eagle.json + eagle.safetensors (the head's weights in `dtype`, and d2t)."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.head.state_dict().items()}
+        tensors["d2t"] = self.d2t.to("cpu", torch.int32).contiguous()
+        save_file(tensors, str(folder / WEIGHTS_FILE))
+        meta = {"format": FORMAT, "version": FORMAT_VERSION, **dataclasses.asdict(self.spec), **(extra or {})}
+        (folder / CONFIG_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+
+    @classmethod
+    def load(cls, folder: str | Path, target: Transformer) -> "EagleModel":
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        try:
+            meta = json.loads((folder / CONFIG_FILE).read_text())
+            tensors = load_file(str(folder / WEIGHTS_FILE))
+        except (OSError, ValueError, json.JSONDecodeError) as exc:
+            raise InvalidRequestError(f"{folder}: not a readable EAGLE head ({exc})", "drafter") from exc
+        if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+            raise InvalidRequestError(f"{folder}: not a {FORMAT} v{FORMAT_VERSION} head", "drafter")
+        spec = HeadSpec(**{f.name: meta[f.name] for f in dataclasses.fields(HeadSpec)})
+        model = cls(spec, target, tensors.pop("d2t").long())
+        weight = target.embed_tokens.weight
+        state = {k: v.to(weight.dtype) for k, v in tensors.items()}
+        try:
+            model.head.load_state_dict(state)
+        except RuntimeError as exc:
+            raise InvalidRequestError(f"{folder}: head weights do not match its config ({exc})", "drafter") from exc
+        return model.eval()
+
+
+def frequent_ids(counts: Tensor, size: int, always: Sequence[int] = ()) -> Tensor:
+    """d2t: the `size` most frequent ids of `counts` [vocab], plus `always` (e.g. EOS), sorted."""
+    counts = counts.clone().double()
+    for i in always:
+        if 0 <= i < len(counts):
+            counts[i] = math.inf
+    size = min(size, len(counts))
+    return counts.topk(size).indices.sort().values
+
+
+# -- the drafter -----------------------------------------------------------------------------------
+
+
+class EagleDrafter:
+    """Drafts k tokens with an `EagleModel`; implements the `Drafter` protocol plus `observe`.
+
+    State per request: `_feats` [capacity, h] holds the target's true features of context[:n_feats]
+    (appended by `observe` in commit order), `_tokens` the context those features and the cache
+    entries belong to, and the head cache holds entries 1..cache_length built from true features
+    only. See the module docstring for the indexing.
+    """
+
+    name = "eagle"
+
+    def __init__(self, model: EagleModel, draft_p_min: float = 0.0):
+        check_draft_p_min(draft_p_min)
+        self.model = model
+        self.draft_p_min = float(draft_p_min)
+        self._sampling = SamplingParams()
+        self._generator: torch.Generator | None = None
+        self._cache: KVCache | None = None
+        self._feats: Tensor | None = None
+        self._n_feats = 0
+        self._tokens: list[int] = []
+
+    @classmethod
+    def load(cls, folder: str | Path, target: Transformer, draft_p_min: float = 0.0) -> "EagleDrafter":
+        return cls(EagleModel.load(folder, target), draft_p_min)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.head_rows.device
+
+    @property
+    def cache_length(self) -> int:
+        return 0 if self._cache is None else self._cache.length()
+
+    @property
+    def num_features(self) -> int:
+        return self._n_feats
+
+    # -- protocol ---------------------------------------------------------------------------------
+
+    def begin(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
+              generator: torch.Generator | None = None) -> None:
+        self._sampling = sampling or SamplingParams()
+        if generator is None and not self._sampling.greedy:
+            generator = make_generator(self._sampling.seed, self.device)
+        self._generator = generator
+        room = len(prompt_ids) + _INITIAL_ROOM
+        self._cache = self.model.new_cache(room)
+        self._feats = torch.zeros(room, self.model.spec.hidden_size, dtype=self.model.head_rows.dtype,
+                                  device=self.device)
+        self._n_feats = 0
+        self._tokens = list(prompt_ids)
+
+    @torch.inference_mode()
+    def observe(self, hidden: Tensor) -> None:
+        """The target's final-normed features of the tokens its cache just committed, in order.
+
+        hidden: [T, h]
+        """
+        if self._feats is None:
+            return
+        need = self._n_feats + hidden.shape[0]
+        if need > self._feats.shape[0]:
+            grown = self._feats.new_zeros(max(need, 2 * self._feats.shape[0]), self._feats.shape[1])
+            grown[: self._n_feats] = self._feats[: self._n_feats]
+            self._feats = grown
+        self._feats[self._n_feats : need] = hidden.to(self._feats.dtype)
+        self._n_feats = need
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], k: int) -> Proposal:
+        check_k(k)
+        if self._cache is None:
+            self.begin(list(context))
+        n = len(context)
+        k = min(k, self.model.target.config.max_position - n)
+        # Features and cache entries belong to `_tokens`; whatever of it `context` no longer
+        # agrees with is stale (a caller rolling back), the rest is kept.
+        # (Features observed since the last call extend `_tokens`: they belong to the tokens that
+        # `context` adds, in order, which is how the engine calls `observe`.)
+        valid = common_prefix_length(self._tokens, context)
+        if valid < len(self._tokens):
+            self._n_feats = min(self._n_feats, valid)
+        self._tokens = list(context)
+        if k <= 0 or n < 2 or self._n_feats < n - 1:
+            # The head needs f_{n-2}: without the target's features of the context (a caller that
+            # does not `observe`) there is nothing to draft from; the engine does a plain step.
+            return Proposal([])
+        # Entries 1..keep are built from true features and tokens still in the context; at least
+        # entry n - 1 is (re)built, since its output predicts x_n.
+        keep = min(self.cache_length, self._n_feats, valid - 1, n - 2)
+        self._cache.truncate(keep)
+        self._ensure_room(n - 1 - keep + k)
+        # Build entries keep+1 .. n-1 from true features in one pass; the last one predicts x_n.
+        idx = torch.arange(keep + 1, n, device=self.device)
+        feats, logits = self.model.step(self._feats[idx - 1][None], torch.tensor([context[keep + 1:]],
+                                        device=self.device), idx[None], self._cache)
+        committed = self._cache.length()  # == n - 1: what to roll back to after drafting
+        feat, logits = feats[:, -1:], logits[0, -1]
+        tokens: list[int] = []
+        qs: list[Tensor] = []
+        while True:
+            token, q = self._choose(logits)
+            if token is None:
+                break  # below the confidence cut-off
+            tokens.append(token)
+            if q is not None:
+                qs.append(q)
+            if len(tokens) == k:
+                break
+            # Autoregressive over its own features: entry n - 1 + i consumes (f^, draft token).
+            pos = torch.tensor([[n - 1 + len(tokens)]], device=self.device)
+            feat, logits = self.model.step(feat, torch.tensor([[token]], device=self.device), pos, self._cache)
+            logits = logits[0, -1]
+        # Draft entries were built from predicted features: drop them; the target's features of
+        # the accepted ones arrive through `observe` and rebuild them next time.
+        self._cache.truncate(committed)
+        return Proposal(tokens, torch.stack(qs) if qs else None)
+
+    def _choose(self, logits: Tensor) -> tuple[int | None, Tensor | None]:
+        """One draft position from sub-vocabulary logits [Vd]: (target id, q row [target vocab]).
+
+        Sampling: q is `process_logits` of the logits with the request's params, where ids outside
+        the sub-vocabulary have logit -inf. Processing the Vd finite logits and scattering the
+        result into zeros is the same thing (an -inf logit gets probability 0 at every stage and
+        never changes a top-k / top-p / min-p threshold of the finite ones), and ~30x cheaper
+        for Gemma.
+        """
+        if self._sampling.greedy:
+            if self.draft_p_min > 0 and float(logits.softmax(-1).max()) < self.draft_p_min:
+                return None, None
+            return int(self.model.d2t[int(logits.argmax())]), None
+        q_sub = process_logits(logits, self._sampling)  # [Vd]
+        if self.draft_p_min > 0 and float(q_sub.max()) < self.draft_p_min:
+            return None, None
+        i = int(sample(q_sub, self._generator))
+        return int(self.model.d2t[i]), self.model.to_target(q_sub, 0.0)
+
+    def feedback(self, num_accepted: int) -> None:
+        # Nothing to do: accepted tokens' features arrive through `observe`, and `propose`
+        # rebuilds their entries.
+        pass
+
+    def end(self, output_ids: list[int]) -> None:
+        self._cache = None
+        self._feats = None
+        self._n_feats = 0
+        self._tokens = []
+        self._generator = None
+
+    def _ensure_room(self, new: int) -> None:
+        cache = self._cache
+        n = cache.length()
+        if n + new <= cache.capacity:
+            return
+        grown = self.model.new_cache(max(n + new, 2 * cache.capacity))
+        grown.keys[0][:, :, :n] = cache.keys[0][:, :, :n]
+        grown.values[0][:, :, :n] = cache.values[0][:, :, :n]
+        grown.positions[:, :n] = cache.positions[:, :n]
+        grown.truncate(n)
+        self._cache = grown
+
+
+def make_eagle_drafter(name: str, target: Transformer, draft_p_min: float | None = None) -> EagleDrafter:
+    """`eagle` (the shipped head) or `eagle:PATH`, bound to `target` on its device and dtype."""
+    return EagleDrafter.load(eagle_head_path(name), target, 0.0 if draft_p_min is None else draft_p_min)
