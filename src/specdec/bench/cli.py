@@ -33,7 +33,7 @@ def add_arguments(parser) -> None:
                         help="how a question is fed to the (base) model; {prompt} is the question, \\n a newline "
                              "(default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
-    parser.add_argument("--dtype", default="auto", help="specdec targets: auto | float32 | bfloat16 | float16")
+    parser.add_argument("--dtype", default="auto", help="specdec targets: auto | float32 | bfloat16 | float16 (HF peers run float32 unless hf:dtype=...)")
     parser.add_argument("--quantize", default="none", choices=["none", "int8"], help="specdec targets' quantisation")
     parser.add_argument("--draft-model", metavar="PATH", help="draft model for draft / hf-assist configurations")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")

@@ -24,6 +24,7 @@ generated token). All runs are greedy.
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import resource
@@ -476,6 +477,9 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
             r.new_pass()
         for p, ids in zip(prompts, prompt_ids):
             for r in order:
+                # Collect the previous run's garbage now, so a collection it triggers is not timed
+                # as part of this run.
+                gc.collect()
                 probe.start()
                 run = r.generate(ids, settings.max_tokens)
                 run.peak_memory = probe.peak()
