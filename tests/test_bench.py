@@ -309,6 +309,25 @@ def test_lookup_drafters_are_fresh_each_pass(tiny):
     assert runner.engine.model is engine.model  # the target is shared, not reloaded
 
 
+def test_ctrl_c_keeps_the_complete_prompt_rounds(tiny):
+    from specdec.bench.runner import run_bench
+
+    _, folder, prompts = tiny
+    measured = []
+
+    def progress(label):
+        if not label.startswith("warm-up"):
+            measured.append(label)
+            if len(measured) == 3:  # p0 by both configurations, then p1 by the first only
+                raise KeyboardInterrupt
+
+    result = run_bench(Settings(model=str(folder), max_tokens=6), C.parse_configs("plain,ngram:k=2"),
+                       P.load_prompt_file(prompts), progress=progress)
+    assert [(r.prompt_id, r.config) for r in result.runs] == [("p0", "plain"), ("p0", "ngram:k=2")]
+    assert [p.id for p in result.prompts] == ["p0"] and "1 of 2 prompt rounds" in result.interrupted
+    assert "interrupted" in R.to_markdown(result, R.summarize(result))
+
+
 def test_llama_cpp_runner_passes_ids_greedy_and_stops(tmp_path, monkeypatch):
     """The llama.cpp adapter against a stand-in module (the real package is optional)."""
     from specdec.bench.runner import LlamaCppRunner

@@ -224,6 +224,8 @@ def to_markdown(result: BenchResult, summaries: list[Summary], command: str | No
         "plain decoding of the same target (dtype, quantisation) in the same run, peers over the default "
         "target's plain; bound: Leviathan et al.'s expected speedup from the measured α, k and c",
     ]
+    if result.interrupted:
+        lines.append(f"- **{result.interrupted}**")
     for label, why in result.skipped.items():
         lines.append(f"- skipped `{label}`: {why}")
     head = headline(result, summaries)
@@ -282,6 +284,7 @@ def to_json(result: BenchResult, summaries: list[Summary], command: str | None =
                      "baseline": result.baselines.get(c.label), "runs_on": result.targets.get(c.label)}
                     for c in result.configs],
         "skipped": result.skipped,
+        "interrupted": result.interrupted,
         "prompts": [asdict(p) for p in result.prompts],
         "headline": headline(result, summaries),
         "summary": [asdict(s) for s in summaries],

@@ -103,6 +103,7 @@ class BenchResult:
     skipped: dict[str, str]  # configuration label -> why it did not run
     memory_kind: str
     machine: dict
+    interrupted: str | None = None  # set when Ctrl-C ended the run early
 
 
 class MemoryProbe:
@@ -472,23 +473,37 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
             r.generate(prompt_ids[0], min(WARMUP_TOKENS, settings.max_tokens))
             progress(f"warm-up {r.config.label}")
     runs: list[Run] = []
-    for repeat in range(settings.repeats):
-        for r in order:
-            r.new_pass()
-        for p, ids in zip(prompts, prompt_ids):
+    interrupted = None
+    try:
+        for repeat in range(settings.repeats):
             for r in order:
-                # Collect the previous run's garbage now, so a collection it triggers is not timed
-                # as part of this run.
-                gc.collect()
-                probe.start()
-                run = r.generate(ids, settings.max_tokens)
-                run.peak_memory = probe.peak()
-                run.prompt_id, run.group, run.repeat = p.id, p.group, repeat
-                runs.append(run)
-                progress(r.config.label)
+                r.new_pass()
+            for p, ids in zip(prompts, prompt_ids):
+                for r in order:
+                    # Collect the previous run's garbage now, so a collection it triggers is not
+                    # timed as part of this run.
+                    gc.collect()
+                    probe.start()
+                    run = r.generate(ids, settings.max_tokens)
+                    run.peak_memory = probe.peak()
+                    run.prompt_id, run.group, run.repeat = p.id, p.group, repeat
+                    runs.append(run)
+                    progress(r.config.label)
+    except KeyboardInterrupt:
+        # Ctrl-C in a long run: report what is complete. A prompt that not every configuration
+        # ran is dropped, so every configuration is still measured on the same prompts.
+        if not runs:
+            raise
+        cut = len(runs) - len(runs) % len(order)
+        interrupted = f"interrupted: {cut // len(order)} of {settings.repeats * len(prompts)} prompt rounds complete"
+        log(interrupted)
+        runs = runs[:cut]
+        if not runs:
+            raise
+    done = {r.prompt_id for r in runs}
     compare_outputs(runs, baselines)
-    return BenchResult(settings, configs, baselines, described, infos, runs, skipped, probe.kind,
-                       machine_info(device))
+    return BenchResult(settings, configs, baselines, described, [i for i in infos if i.id in done], runs, skipped,
+                       probe.kind, machine_info(device), interrupted)
 
 
 def compare_outputs(runs: list[Run], baselines: dict[str, str]) -> None:
