@@ -6,7 +6,7 @@ import torch
 from specdec import Engine, SamplingParams
 from specdec.errors import InvalidRequestError
 from specdec.models import loader
-from specdec.scheduler import BatchScheduler, QueueFullError, Request, ShuttingDownError
+from specdec.scheduler import BatchScheduler, GoodputModel, QueueFullError, Request, ShuttingDownError
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +105,23 @@ def test_limits(tiny):
     with pytest.raises(ShuttingDownError):
         sched.submit(Request([1], 4))
     assert sched.counters.finished == {"length": 2}
+
+
+def test_goodput_rule_drafts_only_when_it_pays():
+    def model(a, b, alpha, widths=(1, 2, 4, 8, 16, 32)):
+        m = GoodputModel()
+        for x in widths * 5:
+            m.observe_step(x, a + b * x)
+        m.observe_drafts(1000, int(1000 * alpha))
+        return m
+
+    assert GoodputModel().best_k(4, 5) == 5  # no data yet: the ceiling
+    line = model(0.1, 0.002, 0.5).line()
+    assert line == pytest.approx((0.1, 0.002))
+    # Weight-bound steps (extra tokens nearly free) and good drafts: draft up to the ceiling.
+    assert model(0.1, 0.0005, 0.8).best_k(1, 5) == 5
+    # A batch on a machine where every token costs: fewer drafts, and none for a big batch.
+    assert 0 < model(0.1, 0.005, 0.8).best_k(4, 5) < 5
+    assert model(0.1, 0.02, 0.5).best_k(16, 5) == 0
+    # Poor drafts never pay once tokens cost anything.
+    assert model(0.1, 0.01, 0.05).best_k(1, 5) == 0

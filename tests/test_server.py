@@ -99,8 +99,10 @@ def engine(tiny_folder):
     return Engine.load(str(tiny_folder), dtype="float32")  # plain: the reference "run alone"
 
 
+# The budget rule only: the goodput rule (unit-tested in test_scheduler.py) would learn that a random
+# tiny model's drafts do not pay and stop drafting, which would leave these tests nothing to check.
 SETTINGS = dict(served_model_name="tiny", drafter="ngram", num_speculative_tokens=4, max_batch=8, max_queue=64,
-                max_model_len=512, dtype="float32")
+                max_model_len=512, dtype="float32", speculation_control="budget")
 
 
 @pytest.fixture(scope="module")

@@ -28,14 +28,25 @@ departure for never gathering or scattering the cache on a step.
 Speculation under load (the known failure mode of speculative serving). Verifying draft tokens is
 almost free while a forward is bound by reading the weights, which is true for a few tokens per
 forward; once the batch alone fills the machine, every drafted token costs as much as a real one
-and rejected drafts are pure loss. The rule: a forward may score at most `spec_token_budget`
-tokens per step, so with n running sequences each may draft
+and rejected drafts are pure loss. Two rules cap how many tokens a row may draft per step, and
+the smaller cap wins (the request's own k and its remaining token allowance cap it further):
 
-    k_cap(n) = max(0, spec_token_budget // n - 1)
+* the budget rule, a hard ceiling: a forward scores at most `spec_token_budget` tokens, so with n
+  running sequences each may draft `max(0, spec_token_budget // n - 1)`. With the default budget
+  of 32: 5 drafts per row up to n = 5, 3 at n = 8, 1 at n = 16, none from n = 17 on.
+* the goodput rule (`GoodputModel`, on by default), which learns from the running server: the time
+  of a step as a line in the tokens it scores, t = a + b * n * (k + 1) (least squares over recent
+  steps), and the draft acceptance rate alpha. With i.i.d. acceptance a row that drafts k tokens
+  emits E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per step (Leviathan et al.), so the batch
+  makes n * E(k) / t(n, k) tokens per second; the rule picks the k in [0, ceiling] that maximises
+  that. When the weights dominate (small b/a) drafting pays even at modest alpha; when the batch
+  makes steps compute-bound (large b * n) or the drafts are poor, k falls to 0 and the server
+  decodes plainly. Until it has seen steps of at least two different widths it uses the ceiling.
 
-tokens (capped further by the request's own k and by its remaining token allowance). With the
-default budget of 32 and k = 5: up to 5 drafts per row at n <= 5, 3 at n = 8, 1 at n = 16 and
-none from n = 17 on, where decoding is plain batched decoding.
+A seeded sampled request keeps its k whatever the load: rejection sampling draws from the
+request's generator a number of times that depends on k, so changing k with the load would make
+the same seed give different text. Greedy requests are exact at any k, and unseeded ones promise
+nothing, so they follow the rules.
 
 Greedy output is the same alone or in a batch: each row's logits depend only on its own tokens
 (padding and other rows are masked out), and greedy verification is lossless. In float32 this
@@ -245,6 +256,59 @@ class SchedulerCounters:
     finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> requests
 
 
+@dataclass
+class GoodputModel:
+    """Online model of step cost and draft acceptance, to choose k (see the module docstring).
+
+    Step time t = a + b * x, x = tokens the forward scored, fitted by exponentially weighted least
+    squares (weight `decay` per step, so the fit follows a machine whose load changes).
+    """
+
+    decay: float = 0.97
+    sw: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    drafted: float = 0.0
+    accepted: float = 0.0
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.sw, self.sx, self.sy = d * self.sw + 1, d * self.sx + tokens, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + tokens * tokens, d * self.sxy + tokens * seconds
+
+    def observe_drafts(self, drafted: int, accepted: int) -> None:
+        self.drafted = self.decay * self.drafted + drafted
+        self.accepted = self.decay * self.accepted + accepted
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b) of t = a + b x, or None until steps of different widths were seen."""
+        var = self.sxx * self.sw - self.sx * self.sx
+        if self.sw < 2 or var <= 1e-9 * self.sw * self.sw:
+            return None
+        b = max(0.0, (self.sxy * self.sw - self.sx * self.sy) / var)
+        a = max(1e-6, (self.sy - b * self.sx) / self.sw)
+        return a, b
+
+    @property
+    def alpha(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted >= 1 else None
+
+    def best_k(self, rows: int, ceiling: int) -> int:
+        """The k in [0, ceiling] with the most expected tokens per second for `rows` sequences."""
+        line, alpha = self.line(), self.alpha
+        if line is None or alpha is None or ceiling == 0:
+            return ceiling
+        a, b = line
+        alpha = min(alpha, 0.999)
+
+        def goodput(k: int) -> float:
+            return rows * (1 - alpha ** (k + 1)) / (1 - alpha) / (a + b * rows * (k + 1))
+
+        return max(range(ceiling + 1), key=goodput)
+
+
 class BatchScheduler:
     """Continuous batching over one loaded target model (see the module docstring)."""
 
@@ -259,6 +323,7 @@ class BatchScheduler:
         max_model_len: int | None = None,
         spec_token_budget: int = 32,
         max_speculative_tokens: int = 16,
+        adaptive: bool = True,
         on_finish: Callable[[Request, Delta], None] | None = None,
     ):
         if drafter not in LOOKUP_DRAFTERS:
@@ -280,6 +345,7 @@ class BatchScheduler:
         self.max_queue = max_queue
         self.max_model_len = min(max_model_len or cfg.max_position, cfg.max_position)
         self.spec_token_budget = spec_token_budget
+        self.goodput = GoodputModel() if adaptive else None
         self.on_finish = on_finish
         self.counters = SchedulerCounters()
         # Room for the longest request plus the widest verify block written past its end.
@@ -295,9 +361,14 @@ class BatchScheduler:
 
     # -- the caller's side -----------------------------------------------------------------
 
-    def k_cap(self, running: int) -> int:
-        """How many tokens each of `running` sequences may draft this step (the budget rule)."""
+    def k_ceiling(self, running: int) -> int:
+        """The budget rule: the most tokens each of `running` sequences may draft per step."""
         return max(0, self.spec_token_budget // max(1, running) - 1)
+
+    def k_cap(self, running: int) -> int:
+        """How many tokens each of `running` sequences may draft this step (both rules)."""
+        ceiling = min(self.k_ceiling(running), self.k_max)
+        return ceiling if self.goodput is None else self.goodput.best_k(max(1, running), ceiling)
 
     @property
     def num_running(self) -> int:
@@ -397,10 +468,11 @@ class BatchScheduler:
             for seq in [s for s in self._running if s.handle.id in cancelled]:
                 self._leave(seq, "cancelled")
             try:
-                for seq in admitted:
-                    self._prefill(seq)
-                if self._running:
-                    self._decode_step()
+                with torch.inference_mode():
+                    for seq in admitted:
+                        self._prefill(seq)
+                    if self._running:
+                        self._decode_step()
             except Exception as exc:  # a real fault: fail what is in flight, keep serving
                 message = f"{type(exc).__name__}: {exc}"
                 for seq in admitted:
@@ -434,8 +506,10 @@ class BatchScheduler:
         cap = self.k_cap(n)
         proposals: list[Proposal] = []
         for seq in rows:
+            sampling = seq.request.sampling
+            fixed = not sampling.greedy and sampling.seed is not None  # reproducible: k ignores load
             # Never draft past the request's token allowance: those tokens could not be emitted.
-            k = min(seq.k, cap, seq.request.max_new_tokens - len(seq.out.ids))
+            k = min(seq.k if fixed else min(seq.k, cap), seq.request.max_new_tokens - len(seq.out.ids))
             proposed = seq.drafter is not None and k > 0
             proposal = seq.drafter.propose(seq.context, k) if proposed else Proposal([])
             proposals.append(Proposal(proposal.tokens[:k], None if proposal.q is None else proposal.q[:k])
@@ -447,22 +521,35 @@ class BatchScheduler:
         view = self.cache.rows(n)
         base = view.lengths.clone()  # [n] each row's filled length = position of its lead token
         positions = base[:, None] + torch.arange(width, device=self._device)  # [n, T]
-        logits, _ = self.model(tokens, positions, view)  # [n, T, vocab]
+        # The output head (a large share of a step's work with a big vocabulary) runs only on the
+        # real positions, not on the padding: hidden states of the real tokens, row after row.
+        started = time.perf_counter()
+        _, hidden = self.model(tokens, positions, view, last_n=0)  # hidden: [n, T, hidden]
+        lengths = torch.tensor([len(b) for b in blocks], device=self._device)  # [n]
+        real = torch.arange(width, device=self._device)[None] < lengths[:, None]  # [n, T] bool
+        logits = self.model.head(hidden[real])  # [sum of block lengths, vocab]
+        if self.goodput is not None:
+            logits[-1, -1].item()  # wait for the forward (asynchronous on a GPU) before timing it
+            self.goodput.observe_step(n * width, time.perf_counter() - started)
         self.counters.steps += 1
         self.counters.step_rows += n
         self.counters.step_tokens += n * width
         base = base.tolist()
         done = []
+        offset = 0
         for r, (seq, proposal, block) in enumerate(zip(rows, proposals, blocks)):
             seq.stats.target_forwards += 1
             draft = proposal.tokens if proposal else []
-            row_logits = logits[r, : len(block)]  # [1 + len(draft), vocab]
+            row_logits = logits[offset : offset + len(block)]  # [1 + len(draft), vocab]
+            offset += len(block)
             verdict = Engine._verify(row_logits, proposal or Proposal([]), draft, seq.request.sampling,
                                      seq.generator)
             # Keep the lead token and the accepted drafts; padding and rejected drafts fall away.
             view.truncate(base[r] + 1 + verdict.num_accepted, row=r)
             Engine._count(seq.stats, len(draft), verdict.num_accepted)
             Engine._count(self.counters.spec, len(draft), verdict.num_accepted)
+            if self.goodput is not None and draft:
+                self.goodput.observe_drafts(len(draft), verdict.num_accepted)
             if proposal is not None:
                 seq.drafter.feedback(verdict.num_accepted)
             if self._emit(seq, verdict.tokens, row_logits):

@@ -231,6 +231,8 @@ class Transformer(nn.Module):
         """Returns (logits [batch, n, vocab] float32, hidden [batch, T, hidden]) with n = last_n or T.
 
         `hidden` is the final-normed hidden state (what the output head reads), for learned drafters.
+        `last_n=0` skips the output head: a caller that needs logits at chosen positions only (the
+        batch scheduler, whose padded rows need none at their padding) applies `head` to them.
         """
         cfg = self.config
         b, t = tokens.shape
@@ -256,12 +258,16 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, cache, layer, slots, visible)
         cache.lengths += t
         hidden = self.norm(x)
-        head_in = hidden if last_n is None else hidden[:, -last_n:]
-        logits = self.lm_head(head_in).float()
-        if cfg.final_logit_softcap:
-            cap = cfg.final_logit_softcap
+        head_in = hidden if last_n is None else hidden[:, hidden.shape[1] - last_n :]
+        return self.head(head_in), hidden
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """Final-normed hidden states [..., hidden] -> float32 logits [..., vocab] (soft-capped if set)."""
+        logits = self.lm_head(hidden).float()
+        if self.config.final_logit_softcap:
+            cap = self.config.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
-        return logits, hidden
+        return logits
 
     def _visibility(self, start, positions, cache, mask, span, t):
         """Which cache slots each new query may attend to.

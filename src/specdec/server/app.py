@@ -45,6 +45,7 @@ class ServerSettings:
     max_queue: int = 64
     max_model_len: int = 2048
     spec_token_budget: int = 32
+    speculation_control: str = "goodput"  # "goodput": learn when drafting pays; "budget": the ceiling only
     api_key: str | None = None
     dtype: str = "auto"
     device: str = "cpu"
@@ -99,7 +100,8 @@ def create_app(settings: ServerSettings,
             scheduler = BatchScheduler(
                 model, tokenizer, settings.drafter, settings.num_speculative_tokens, settings.max_batch,
                 settings.max_queue, settings.max_model_len, settings.spec_token_budget,
-                max_speculative_tokens=max(16, settings.num_speculative_tokens), on_finish=state.metrics.observe)
+                max_speculative_tokens=max(16, settings.num_speculative_tokens),
+                adaptive=settings.speculation_control == "goodput", on_finish=state.metrics.observe)
             state.tokenizer = tokenizer
             state.scheduler = scheduler.start()
         except Exception as exc:  # reported by /health and every request

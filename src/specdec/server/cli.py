@@ -19,6 +19,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--spec-token-budget", type=int, default=32,
                         help="tokens one batched forward may score: with n running requests each drafts at most "
                              "budget // n - 1 tokens (speculation fades out under load)")
+    parser.add_argument("--speculation-control", default="goodput", choices=["goodput", "budget"],
+                        help="goodput: also learn the step cost and acceptance rate online and draft the k with the "
+                             "most expected tokens/s (0 when drafting does not pay); budget: the budget rule only")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together (KV cache rows)")
@@ -46,7 +49,8 @@ def settings_from_args(args):
     return ServerSettings(model=args.model, served_model_name=name, drafter=args.drafter,
                           num_speculative_tokens=args.num_speculative_tokens, max_batch=args.max_batch,
                           max_queue=args.max_queue, max_model_len=args.max_model_len,
-                          spec_token_budget=args.spec_token_budget, api_key=args.api_key, dtype=args.dtype,
+                          spec_token_budget=args.spec_token_budget,
+                          speculation_control=args.speculation_control, api_key=args.api_key, dtype=args.dtype,
                           device=args.device, quantize=args.quantize)
 
 
