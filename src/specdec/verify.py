@@ -118,3 +118,145 @@ def verify_sampling(p: Tensor, q: Tensor | None, draft: list[int], generator: to
     # All k accepted: the bonus token comes from the target's distribution after the last draft.
     bonus = int(torch.multinomial(p[k], 1, generator=generator))
     return Verdict(list(draft), bonus, "bonus")
+
+
+# -- token trees ---------------------------------------------------------------------------------
+#
+# A tree draft offers several candidates per position. Node i holds token `tokens[i]` and hangs
+# under `parents[i]` (-1 = the root, which is the lead token the engine feeds first; parents come
+# before their children). The target scores root + all nodes in one pass with `TokenTree.mask()`
+# as attention mask: row 0 of its output follows the root, row i + 1 follows node i.
+#
+# Greedy: walk from the root, moving to the child whose token is the target's argmax; the first
+# node without such a child emits the argmax (recovered; bonus when the node has no children).
+#
+# Sampling: recursive rejection sampling over siblings (SpecInfer, Miao et al. 2024, "multi-step
+# speculative sampling"; the same rule handles deterministic candidates as in Sequoia). At a node
+# with target distribution p, let r = p and try its children x_1, x_2, ... in order, child j drawn
+# from q_j (its row of `q`, or one-hot at x_j when q is None):
+#
+#     accept x_j with probability min(1, r(x_j) / q_j(x_j))  -> move to child j, r = its own p
+#     else r <- norm(max(0, r - q_j))                         -> try the next sibling
+#     no child left: emit a token drawn from r (recovered); a node without children: from p (bonus)
+#
+# Why it is exact. One sibling step is the single-draft rule of the module docstring with r in
+# place of p: if x_j ~ q_j, then "accept x_j, or else draw from norm(max(0, r - q_j))" yields a
+# token distributed as r. Chaining siblings: the token emitted at this node is distributed as
+# r_1 = p as long as each later sibling's residual step emits ~ r_{j+1}, which holds by the same
+# argument down to the last sibling, whose fallback is a direct draw from r_m+1. This needs x_j ~ q_j
+# given everything the verifier has seen before it (its earlier siblings): true for i.i.d. draws
+# from one q (SpecInfer), for deterministic candidates (q_j one-hot), and for draws without
+# replacement when q_j is the drafter's distribution with the earlier siblings removed. Moving to
+# an accepted child continues with that child's p, exactly as the chain rule does, so by induction
+# over depth every emitted token follows the target.
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    tokens: list[int]  # node i's token
+    parents: list[int]  # node i's parent node, -1 = the root (lead token); parents[i] < i
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("tokens and parents must have the same length")
+        if any(not -1 <= p < i for i, p in enumerate(self.parents)):
+            raise ValueError("every parent must be -1 or an earlier node")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node` (-1 = root), in node order (the order siblings are tried)."""
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def depths(self) -> list[int]:
+        """Depth of each node (a root child is 1): its position offset from the root."""
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def mask(self) -> Tensor:
+        """[n + 1, n + 1] bool: entry (i, j) = block position i may attend to block position j
+        (position 0 = root, position i + 1 = node i): itself and its ancestors."""
+        n = len(self.tokens)
+        m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        m[:, 0] = True
+        m[0, 0] = True
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                m[i + 1] = m[p + 1]
+            m[i + 1, i + 1] = True
+        return m
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    path: list[int]  # accepted node indices, root side first
+    accepted: list[int]  # their tokens
+    next_token: int  # recovered or bonus
+    kind: str  # "recovered" | "bonus"
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.accepted + [self.next_token]
+
+
+def verify_tree_greedy(target_logits: Tensor, tree: TokenTree) -> TreeVerdict:
+    """Follow the target's argmax through the tree.
+
+    target_logits: Tensor  # [n + 1, vocab]; row 0 after the root, row i + 1 after node i
+    """
+    if target_logits.dim() != 2 or target_logits.shape[0] != len(tree) + 1:
+        raise ValueError(f"target_logits must be [len(tree) + 1, vocab], got {list(target_logits.shape)}")
+    best = target_logits.argmax(-1).tolist()
+    path: list[int] = []
+    node = -1
+    while True:
+        want = best[node + 1]
+        kids = tree.children(node)
+        nxt = next((c for c in kids if tree.tokens[c] == want), None)
+        if nxt is None:
+            return TreeVerdict(path, [tree.tokens[i] for i in path], want, "recovered" if kids else "bonus")
+        path.append(nxt)
+        node = nxt
+
+
+def verify_tree_sampling(p: Tensor, q: Tensor | None, tree: TokenTree, generator: torch.Generator) -> TreeVerdict:
+    """Recursive rejection sampling over siblings (see the block comment above).
+
+    p: Tensor  # [n + 1, vocab] target's processed probabilities; row 0 after the root
+    q: Tensor | None  # [n, vocab]: row i = the distribution node i's token was drawn from; None = one-hot
+    """
+    n, vocab = len(tree), p.shape[-1]
+    if p.dim() != 2 or p.shape[0] != n + 1:
+        raise ValueError(f"p must be [len(tree) + 1, vocab], got {list(p.shape)}")
+    if q is not None and tuple(q.shape) != (n, vocab):
+        raise ValueError(f"q must be [len(tree), vocab] = [{n}, {vocab}], got {list(q.shape)}")
+    path: list[int] = []
+    node = -1
+    while True:
+        kids = tree.children(node)
+        r = p[node + 1]
+        moved = False
+        for c in kids:
+            x = tree.tokens[c]
+            q_c = torch.nn.functional.one_hot(torch.tensor(x, device=p.device), vocab).to(p.dtype) \
+                if q is None else q[c].to(device=p.device, dtype=p.dtype)
+            u = float(torch.rand(1, generator=generator, device=generator.device))
+            if u * float(q_c[x]) < float(r[x]):
+                path.append(c)
+                node = c
+                moved = True
+                break
+            residual = (r - q_c).clamp_min(0)
+            # r == q_c numerically: the rejection had probability ~0 and r itself is exact.
+            r = residual / residual.sum() if float(residual.sum()) > 0 else r
+        if moved:
+            continue
+        token = int(torch.multinomial(r, 1, generator=generator))
+        return TreeVerdict(path, [tree.tokens[i] for i in path], token, "recovered" if kids else "bonus")
