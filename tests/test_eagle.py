@@ -19,6 +19,7 @@ from specdec.models import loader
 from specdec.models.transformer import ModelConfig, RopeSpec, Transformer
 from specdec.sampling import make_generator, process_logits, sample
 from specdec.train import TrainConfig, train_head, unrolled_visibility
+from specdec.verify import verify_tree_greedy
 
 make_tiny_hf = __import__("conftest").make_tiny_hf
 tdm = __import__("test_draft_model")  # the enumeration + chi-square machinery for exact sampling
@@ -175,6 +176,57 @@ def test_sub_vocabulary_q_equals_full_vocabulary_processing(tiny):
         torch.testing.assert_close(head.to_target(process_logits(logits, params), 0.0), process_logits(full, params))
 
 
+# -- token trees ----------------------------------------------------------------------------------------
+
+
+def tree_generate(target, drafter, ids, max_new, **tree_args):
+    """Greedy decoding with draft trees: the loop the engine would run for trees (one target pass
+    over root + nodes with the tree mask, the greedy walk, `compact` of the accepted path, the
+    accepted nodes' features to the drafter). Returns (tokens, accepted count per step)."""
+    cache = target.new_cache(1, len(ids) + max_new + 64)
+    logits, hidden = target(torch.tensor([ids]), torch.arange(len(ids))[None], cache, last_n=1)
+    out = [int(logits[0, -1].argmax())]
+    drafter.begin(list(ids))
+    drafter.observe(hidden[0])
+    accepted = []
+    while len(out) < max_new:
+        context = ids + out
+        tree = drafter.propose_tree(context, **tree_args)
+        base = len(context) - 1
+        positions = torch.tensor([[base + d for d in [0] + tree.depths()]])
+        logits, hidden = target(torch.tensor([[context[-1]] + tree.tokens]), positions, cache, mask=tree.mask()[None])
+        verdict = verify_tree_greedy(logits[0], tree)
+        keep = [0] + [i + 1 for i in verdict.path]  # root + accepted nodes, in block order
+        cache.compact(keep, base)
+        drafter.observe(hidden[0, keep])
+        out += verdict.tokens
+        accepted.append(verdict.num_accepted)
+    drafter.end([])
+    return out[:max_new], accepted
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_tree_greedy_identity_random_head(tiny, family):
+    target = tiny[family]["target"]
+    drafter = EagleDrafter(random_head(target, 70, seed=2))
+    plain = Engine(target, None)
+    for ids in prompts(2):
+        got, _ = tree_generate(target, drafter, ids, 30, depth=3, top_k=3, budget=10)
+        assert got == plain.generate(prompt_ids=ids, max_new_tokens=30).token_ids
+
+
+def test_tree_shape():
+    target = peaky_target()
+    drafter = EagleDrafter(random_head(target, 40, seed=1))
+    ids = prompts(1, 6, 48)[0]
+    drafter.begin(ids)
+    drafter.observe(features(target, ids))
+    tree = drafter.propose_tree(ids + [3], depth=4, top_k=3, budget=11)
+    assert len(tree) == 11 and max(tree.depths()) <= 4
+    assert len(tree.children(-1)) == 3 and all(0 <= t < 48 for t in tree.tokens)
+    assert drafter.cache_length == len(ids)  # the tree's entries were rolled back
+
+
 # -- exact distribution under sampling -------------------------------------------------------------------
 
 
@@ -242,10 +294,20 @@ def test_training_raises_acceptance_and_keeps_identity(tmp_path):
     trained = tmp_path / "t"
     train_head(target, None, trained, TrainConfig(steps=40, **TINY_TRAIN), log=lambda *a: None)
     before = acceptance(Engine(target, None, EagleDrafter.load(untrained, target), 4), 48)
-    after = acceptance(Engine(target, None, EagleDrafter.load(trained, target), 4), 48)
+    drafter = EagleDrafter.load(trained, target)
+    after = acceptance(Engine(target, None, drafter, 4), 48)
     info = json.loads((trained / "eagle.json").read_text())["training"]
     assert info["final_stats"]["acc1"] > 0.5
     assert after > before + 0.2, (before, after)
+    # Trees: more candidates per position, so more tokens per target pass than the chain.
+    chain_steps, tree_steps = [], []
+    for ids in prompts(4, 6, 48):
+        out = Engine(target, None, drafter, 4).generate(prompt_ids=ids, max_new_tokens=40)
+        chain_steps += [len(s.accepted) for s in out.steps if s.kind != "prefill"]
+        got, accepted = tree_generate(target, drafter, ids, 40, depth=4, top_k=3, budget=12)
+        assert got == out.token_ids
+        tree_steps += accepted
+    assert sum(tree_steps) / len(tree_steps) > sum(chain_steps) / len(chain_steps)
 
 
 def test_resume_equals_uninterrupted(tmp_path):

@@ -52,6 +52,7 @@ from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
 from specdec.models.transformer import Block, ModelConfig, Transformer
 from specdec.sampling import SamplingParams, make_generator, process_logits, sample
+from specdec.verify import TokenTree
 
 FORMAT = "specdec-eagle"
 FORMAT_VERSION = 1
@@ -207,6 +208,13 @@ class EagleModel(nn.Module):
         feats = self.target.norm(x)
         return feats, self.logits(feats)
 
+    def head_step(self, features: Tensor, tokens: Tensor, positions: Tensor, cache: KVCache,
+                  visible: Tensor) -> tuple[Tensor, Tensor]:
+        """`step` with an explicit visibility [B, 1, T, S] over the cache (token trees)."""
+        x = self.head(features, self.embed(tokens), positions, cache, visible=visible)
+        feats = self.target.norm(x)
+        return feats, self.logits(feats)
+
     def logits(self, feats: Tensor) -> Tensor:  # [..., h] -> [..., Vd] float32
         logits = (feats @ self.head_rows.T).float()
         if self.softcap:
@@ -345,33 +353,13 @@ class EagleDrafter:
     @torch.inference_mode()
     def propose(self, context: list[int], k: int) -> Proposal:
         check_k(k)
-        if self._cache is None:
-            self.begin(list(context))
-        n = len(context)
-        k = min(k, self.model.target.config.max_position - n)
-        # Features and cache entries belong to `_tokens`; whatever of it `context` no longer
-        # agrees with is stale (a caller rolling back), the rest is kept.
-        # (Features observed since the last call extend `_tokens`: they belong to the tokens that
-        # `context` adds, in order, which is how the engine calls `observe`.)
-        valid = common_prefix_length(self._tokens, context)
-        if valid < len(self._tokens):
-            self._n_feats = min(self._n_feats, valid)
-        self._tokens = list(context)
-        if k <= 0 or n < 2 or self._n_feats < n - 1:
-            # The head needs f_{n-2}: without the target's features of the context (a caller that
-            # does not `observe`) there is nothing to draft from; the engine does a plain step.
+        k = min(k, self.model.target.config.max_position - len(context))
+        root = self._sync(context, max(k, 1))
+        if root is None or k <= 0:
             return Proposal([])
-        # Entries 1..keep are built from true features and tokens still in the context; at least
-        # entry n - 1 is (re)built, since its output predicts x_n.
-        keep = min(self.cache_length, self._n_feats, valid - 1, n - 2)
-        self._cache.truncate(keep)
-        self._ensure_room(n - 1 - keep + k)
-        # Build entries keep+1 .. n-1 from true features in one pass; the last one predicts x_n.
-        idx = torch.arange(keep + 1, n, device=self.device)
-        feats, logits = self.model.step(self._feats[idx - 1][None], torch.tensor([context[keep + 1:]],
-                                        device=self.device), idx[None], self._cache)
+        n = len(context)
+        feat, logits = root
         committed = self._cache.length()  # == n - 1: what to roll back to after drafting
-        feat, logits = feats[:, -1:], logits[0, -1]
         tokens: list[int] = []
         qs: list[Tensor] = []
         while True:
@@ -391,6 +379,106 @@ class EagleDrafter:
         # the accepted ones arrive through `observe` and rebuild them next time.
         self._cache.truncate(committed)
         return Proposal(tokens, torch.stack(qs) if qs else None)
+
+    @torch.inference_mode()
+    def propose_tree(self, context: list[int], depth: int = 5, top_k: int = 4, budget: int = 24) -> TokenTree:
+        """An EAGLE-2 style draft tree of at most `budget` nodes and `depth` levels.
+
+        Each level expands the `top_k` most likely frontier nodes (by cumulative draft
+        log-probability, the head's estimate of the chance the whole path is accepted), each
+        with its `top_k` best children, all in one head pass with a tree mask; finally the
+        `budget` most likely nodes are kept (a node's score never exceeds its parent's, so the
+        kept set hangs together). Candidates are deterministic, so the tree carries no q: tree
+        verification treats them as one-hot (exact, see `verify.verify_tree_sampling`).
+        Returns an empty tree when there is nothing to draft from.
+        """
+        n = len(context)
+        depth = min(depth, self.model.target.config.max_position - n)
+        root = self._sync(context, depth * top_k)
+        if root is None or depth <= 0 or budget <= 0:
+            return TokenTree([], [])
+        committed = self._cache.length()
+        root_feat, root_logits = root  # [1, 1, h], [Vd]
+        # Per node: token (target id), parent, cumulative log-prob, its parent's output feature,
+        # and once expanded its cache slot.
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        feat_in: list[Tensor] = []
+        slot: dict[int, int] = {}
+
+        def add_children(parent: int, logits: Tensor, base: float, feat: Tensor) -> list[int]:
+            top = logits.log_softmax(-1).topk(min(top_k, logits.shape[-1]))
+            out = []
+            for lp, i in zip(top.values.tolist(), top.indices.tolist()):
+                tokens.append(int(self.model.d2t[i]))
+                parents.append(parent)
+                scores.append(base + lp)
+                feat_in.append(feat)
+                out.append(len(tokens) - 1)
+            return out
+
+        frontier = add_children(-1, root_logits, 0.0, root_feat[0, 0])
+        for d in range(2, depth + 1):
+            expand = sorted(frontier, key=lambda i: -scores[i])[:top_k]
+            start = self._cache.length()
+            # Node i's entry sits at position n - 1 + depth(i) and sees the committed entries,
+            # its expanded ancestors' entries and itself.
+            span = start + len(expand)
+            visible = torch.zeros(1, 1, len(expand), span, dtype=torch.bool, device=self.device)
+            visible[..., :committed] = True
+            for row, i in enumerate(expand):
+                slot[i] = start + row
+                a = i
+                while a >= 0:
+                    visible[0, 0, row, slot[a]] = True
+                    a = parents[a]
+            feats, logits = self.model.head_step(
+                torch.stack([feat_in[i] for i in expand])[None],
+                torch.tensor([[tokens[i] for i in expand]], device=self.device),
+                torch.full((1, len(expand)), n - 2 + d, device=self.device), self._cache, visible)
+            frontier = []
+            for row, i in enumerate(expand):
+                frontier += add_children(i, logits[0, row], scores[i], feats[0, row])
+        self._cache.truncate(committed)
+        keep = sorted(sorted(range(len(tokens)), key=lambda i: -scores[i])[:budget])
+        for i in keep:  # ties can break the nesting: keep every kept node's ancestors too
+            a = parents[i]
+            while a >= 0 and a not in keep:
+                keep.append(a)
+                a = parents[a]
+        keep = sorted(set(keep))  # parents were created before their children
+        index = {old: new for new, old in enumerate(keep)}
+        return TokenTree([tokens[i] for i in keep], [index[parents[i]] if parents[i] >= 0 else -1 for i in keep])
+
+    def _sync(self, context: list[int], room: int) -> tuple[Tensor, Tensor] | None:
+        """Rebuild the head's cache for `context` from true features; return the root step's
+        (predicted feature f^_{n-1} [1, 1, h], sub-vocabulary logits [Vd]) or None (no features)."""
+        if self._cache is None:
+            self.begin(list(context))
+        n = len(context)
+        # Features and cache entries belong to `_tokens`; whatever of it `context` no longer
+        # agrees with is stale (a caller rolling back), the rest is kept.
+        # (Features observed since the last call extend `_tokens`: they belong to the tokens that
+        # `context` adds, in order, which is how the engine calls `observe`.)
+        valid = common_prefix_length(self._tokens, context)
+        if valid < len(self._tokens):
+            self._n_feats = min(self._n_feats, valid)
+        self._tokens = list(context)
+        if n < 2 or self._n_feats < n - 1:
+            # The head needs f_{n-2}: without the target's features of the context (a caller that
+            # does not `observe`) there is nothing to draft from; the engine does a plain step.
+            return None
+        # Entries 1..keep are built from true features and tokens still in the context; at least
+        # entry n - 1 is (re)built, since its output predicts x_n.
+        keep = min(self.cache_length, self._n_feats, valid - 1, n - 2)
+        self._cache.truncate(keep)
+        self._ensure_room(n - 1 - keep + room)
+        # Build entries keep+1 .. n-1 from true features in one pass; the last one predicts x_n.
+        idx = torch.arange(keep + 1, n, device=self.device)
+        feats, logits = self.model.step(self._feats[idx - 1][None], torch.tensor([context[keep + 1:]],
+                                        device=self.device), idx[None], self._cache)
+        return feats[:, -1:], logits[0, -1]
 
     def _choose(self, logits: Tensor) -> tuple[int | None, Tensor | None]:
         """One draft position from sub-vocabulary logits [Vd]: (target id, q row [target vocab]).
