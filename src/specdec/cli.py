@@ -19,7 +19,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", help="prompt text")
     gen.add_argument("--prompt-ids", help="comma-separated token ids (for models without a tokenizer)")
     gen.add_argument("--model", default="default", help="HF folder or .gguf file (default: Gemma 3 270M)")
-    gen.add_argument("--drafter", default="none", help="none | ngram | suffix")
+    gen.add_argument("--drafter", default="none",
+                     help="none | ngram | suffix | PATH of a draft model (HF folder or .gguf) sharing the vocabulary")
+    gen.add_argument("--draft-p-min", type=float, default=None,
+                     help="draft model: stop drafting below this top probability (0 = off)")
+    gen.add_argument("--quantize", default="none", choices=["none", "int8"],
+                     help="int8: int8 weight-only linears and output head (CPU); changes the target, "
+                          "plain and speculative then share it")
     gen.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
     gen.add_argument("--draft-length", default="fixed", choices=["fixed", "adaptive"])
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -35,7 +41,25 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--compare", action="store_true", help="run plain and speculative decoding, compare")
     gen.add_argument("--show-drafts", action="store_true", help="mark accepted [..], recovered {..}, bonus <..>")
+    # Each other subcommand owns its arguments and its runner in its own module; this file only
+    # wires them up (imports stay lazy so `specdec generate` does not pay for the server's).
+    for name, module, help_text in SUBCOMMANDS:
+        _import(module).add_arguments(sub.add_parser(name, help=help_text))
     return parser
+
+
+# (subcommand, module with add_arguments(parser) and run(args) -> exit code, help)
+SUBCOMMANDS = [
+    ("serve", "specdec.server.cli", "run the OpenAI-compatible HTTP server"),
+    ("bench", "specdec.bench.cli", "benchmark configurations on Spec-Bench prompts"),
+    ("train-draft", "specdec.train", "train an EAGLE-style draft head for a target (self-distillation)"),
+]
+
+
+def _import(module: str):
+    import importlib
+
+    return importlib.import_module(module)
 
 
 def _progress(done: int, total: int) -> None:
@@ -76,7 +100,7 @@ def _generate(args) -> int:
         raise SpecdecError("give exactly one of --prompt or --prompt-ids")
     print("specdec: loading the model...", file=sys.stderr)
     engine = Engine.load(args.model, args.drafter, args.num_speculative_tokens, args.device, args.dtype,
-                         args.draft_length, progress=_progress)
+                         args.draft_length, progress=_progress, draft_p_min=args.draft_p_min, quantize=args.quantize)
     kwargs = dict(prompt=args.prompt, prompt_ids=prompt_ids, max_new_tokens=args.max_tokens, sampling=sampling,
                   stop=args.stop)
     if args.compare:
@@ -119,7 +143,9 @@ def _generate(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _generate(args)
+        if args.command == "generate":
+            return _generate(args)
+        return _import(dict((n, m) for n, m, _ in SUBCOMMANDS)[args.command]).run(args)
     except SpecdecError as exc:
         print(f"specdec: error: {exc}", file=sys.stderr)
         return 2

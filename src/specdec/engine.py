@@ -15,6 +15,7 @@ import torch
 
 from .drafters import AdaptiveDraftLength, NgramDrafter, SuffixDrafter
 from .drafters.base import Drafter, Proposal
+from .drafters.eagle import eagle_head_path, is_eagle_name, make_eagle_drafter
 from .errors import InvalidRequestError, SpecdecError
 from .models import loader
 from .models.transformer import Transformer
@@ -53,14 +54,53 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def make_drafter(name: str) -> Drafter | None:
-    if name in ("none", "", None):
+def draft_model_path(name: str | None) -> Path | None:
+    """The path of the draft model `name` names, or None for none / ngram / suffix.
+
+    Raises for a name that is neither a lookup drafter nor an existing folder or file.
+    """
+    if name in ("none", "", None, "ngram", "suffix"):
         return None
-    if name == "ngram":
-        return NgramDrafter()
-    if name == "suffix":
-        return SuffixDrafter()
-    raise InvalidRequestError(f"unknown drafter {name!r}; choose none, ngram or suffix", "drafter")
+    if is_eagle_name(name):  # `eagle` (the shipped head) or `eagle:PATH`: the head's folder
+        return eagle_head_path(name)
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise InvalidRequestError(
+            f"unknown drafter {name!r}; choose none, ngram, suffix or the path of a draft model "
+            "(HF folder or .gguf file)", "drafter")
+    return path
+
+
+def make_drafter(name: str, target: Transformer | None = None, target_tokenizer: Tokenizer | None = None,
+                 draft_p_min: float | None = None, progress=None) -> Drafter | None:
+    """none | ngram | suffix, or a draft model path: loaded on `target`'s device in its dtype.
+
+    `draft_p_min` is the draft model's confidence cut-off (None = its default, 0 = off).
+    """
+    from .drafters.draft_model import DEFAULT_DRAFT_P_MIN, DraftModelDrafter, check_draft_p_min
+
+    if draft_p_min is not None:
+        check_draft_p_min(draft_p_min)
+    if is_eagle_name(name):
+        if target is None:
+            raise ValueError("an EAGLE head is made for a loaded target: pass `target`")
+        return make_eagle_drafter(name, target, draft_p_min)
+    path = draft_model_path(name)
+    if path is None:
+        if draft_p_min:
+            raise InvalidRequestError("draft_p_min applies only to a draft model (a model path as drafter)",
+                                      "draft_p_min")
+        if name == "ngram":
+            return NgramDrafter()
+        if name == "suffix":
+            return SuffixDrafter()
+        return None
+    if target is None:
+        raise ValueError("a draft model is made for a loaded target: pass `target`")
+    weight = target.embed_tokens.weight
+    p_min = DEFAULT_DRAFT_P_MIN if draft_p_min is None else draft_p_min
+    return DraftModelDrafter.load(path, target.config.vocab_size, weight.dtype, weight.device, p_min,
+                                  target_tokenizer, progress)
 
 
 @dataclass
@@ -178,12 +218,33 @@ class Engine:
         dtype: str = "auto",
         draft_length: str = "fixed",
         progress=None,
+        draft_p_min: float | None = None,
+        quantize: str = "none",
     ) -> "Engine":
+        """Load a target (and drafter) ready to generate.
+
+        `quantize="int8"` replaces the target's linear layers and output head by int8 weight-only
+        versions (CPU only; see `models/quant.py`). That changes the target model itself, so plain
+        and speculative decoding are compared on the same quantised target.
+        """
+        from .models.quant import QUANT_MODES, cpu_int8_available, quantize_model
+
         device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, device)
-        made = make_drafter(drafter)
+        if quantize not in QUANT_MODES:
+            raise InvalidRequestError(f"unknown quantize {quantize!r}; choose {' or '.join(QUANT_MODES)}", "quantize")
+        if quantize != "none" and (device != "cpu" or not cpu_int8_available()):
+            raise InvalidRequestError("quantize=int8 needs the CPU with PyTorch's fbgemm backend", "quantize")
+        # A bad drafter name or option fails before the slow target load; a draft model is loaded
+        # after the target, whose vocabulary, device and dtype it takes.
+        draft_path = draft_model_path(drafter)
+        made = None if draft_path else make_drafter(drafter, draft_p_min=draft_p_min)
         model, folder = loader.load(target, torch_dtype, device, progress)
-        return cls(model, Tokenizer.from_folder(folder), made, num_speculative_tokens, draft_length)
+        model = quantize_model(model, quantize)
+        tokenizer = Tokenizer.from_folder(folder)
+        if draft_path:
+            made = make_drafter(drafter, model, tokenizer, draft_p_min, progress)
+        return cls(model, tokenizer, made, num_speculative_tokens, draft_length)
 
     @property
     def device(self) -> torch.device:
@@ -223,14 +284,19 @@ class Engine:
         start = time.perf_counter()
         cache = self.model.new_cache(1, len(ids) + max_new_tokens + self.k + 1)
         tokens = torch.tensor([ids], device=self.device)
-        logits, _ = self.model(tokens, torch.arange(len(ids), device=self.device)[None], cache, last_n=1)
+        logits, hidden = self.model(tokens, torch.arange(len(ids), device=self.device)[None], cache, last_n=1)
         stats.target_forwards += 1
+        # Learned drafters (EAGLE-style) read the target's own features: they get the final hidden
+        # state of every token the target's cache now holds, in order (`observe`, optional).
+        observe = getattr(drafter, "observe", None) if drafter is not None else None
         first = self._pick(logits[0], sampling, generator)
         stats.prefill_s = time.perf_counter() - start
         steps.append(Step([], first, "prefill", 0))
         emit(out.push(first))
         if drafter is not None:
-            drafter.begin(list(ids))
+            drafter.begin(list(ids), sampling, generator)
+            if observe is not None:
+                observe(hidden[0])  # [prompt_len, hidden]
 
         while out.finish_reason is None:
             context = ids + out.ids
@@ -241,7 +307,7 @@ class Engine:
             block = [context[-1]] + draft
             base = len(context) - 1
             positions = torch.arange(base, base + len(block), device=self.device)[None]
-            logits, _ = self.model(torch.tensor([block], device=self.device), positions, cache)
+            logits, hidden = self.model(torch.tensor([block], device=self.device), positions, cache)
             stats.target_forwards += 1
             verdict = self._verify(logits[0], proposal, draft, sampling, generator)
             # Roll back: keep the lead token and the accepted drafts; the verdict's next token
@@ -249,6 +315,8 @@ class Engine:
             cache.truncate(base + 1 + verdict.num_accepted)
             self._count(stats, len(draft), verdict.num_accepted)
             if drafter is not None:
+                if observe is not None:
+                    observe(hidden[0, : 1 + verdict.num_accepted])  # lead token + accepted drafts
                 drafter.feedback(verdict.num_accepted)
             if length is not None and draft:
                 length.update(len(draft), verdict.num_accepted)

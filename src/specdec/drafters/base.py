@@ -6,7 +6,7 @@ learn how the last guess went through `feedback`.
 
 Lifecycle of one request, as the engine drives it::
 
-    drafter.begin(prompt_ids)
+    drafter.begin(prompt_ids, sampling, generator)
     loop:
         proposal = drafter.propose(context, k)   # context = prompt + every token emitted so far
         ... verify ...
@@ -24,6 +24,8 @@ from specdec.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
+
+    from specdec.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,20 @@ class Drafter(Protocol):
 
     name: str
 
-    def begin(self, prompt_ids: list[int]) -> None:
-        """A new request starts: reset per-request state."""
+    def begin(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        """A new request starts: reset per-request state.
+
+        `sampling` and `generator` are the request's. A drafter that samples its tokens from a
+        distribution of its own (a draft model) must process its logits with this same `sampling`
+        (so its q matches the target's processed p, as verification assumes) and draw only from
+        `generator` (reproducible per seed, no global RNG); None means greedy. Lookup drafters,
+        which propose deterministically with q = None, ignore both.
+        """
         ...
 
     def propose(self, context: list[int], k: int) -> Proposal:

@@ -40,7 +40,8 @@ class NgramDrafter:
         self._index: dict[tuple[int, ...], int] = {}
         self._next_end = 0  # n-grams ending before this position (exclusive end) are indexed
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], sampling=None, generator=None) -> None:
+        # Deterministic lookup: the request's sampling params and generator are not needed.
         self._reset()
         self._sync(prompt_ids)
 

@@ -66,7 +66,8 @@ class SuffixDrafter:
 
     # -- protocol -------------------------------------------------------------------------------
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], sampling=None, generator=None) -> None:
+        # Deterministic lookup: the request's sampling params and generator are not needed.
         self._stream = []
         self._observe(prompt_ids)
         self._prompt_len = len(self._stream)

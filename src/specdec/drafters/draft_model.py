@@ -1,0 +1,279 @@
+"""Draft model: a smaller Transformer with the target's vocabulary guesses the next k tokens.
+
+The draft runs autoregressively, one token per forward pass, on its own KV cache. Its guesses are
+verified by the target like any other drafter's; what makes it different is that it has a real
+distribution q, so under sampling it proposes tokens *drawn from* q and hands q to the verifier
+(speculative sampling is exact for any q, and the closer q is to p the more gets accepted).
+
+Cache sync. The drafter never hears which tokens the engine emitted, only the next `context`
+(prompt + everything emitted). It remembers `_tokens`, the ids whose keys and values its cache
+holds (cache length == len(_tokens) always), and on each `propose(context, k)`:
+
+1. keeps the common prefix of `_tokens` and `context` (`cache.truncate`), but at most
+   len(context) - 1 tokens, because the logits for the first draft come from forwarding the last
+   context token;
+2. forwards the missing tail of `context` in one pass (it is short in steady state);
+3. drafts: pick a token from the logits, forward it, repeat; the last draft is not forwarded
+   (nothing reads its logits yet).
+
+After a step the context grows by the accepted drafts plus one recovered / bonus token. The
+accepted drafts are already in the cache (step 3 forwarded them), so step 2 forwards one token;
+when all k were accepted the last draft was never forwarded, and step 2 forwards two (the last
+draft and the bonus token). A rejection simply truncates the stale drafts away. No bookkeeping in
+`feedback` is needed, and a context that does not extend the previous one (a new request without
+`begin`, a caller rolling back) is handled by the same prefix rule.
+
+Sampling. q is the draft's logits run through `sampling.process_logits` with the *request's*
+`SamplingParams` (the same temperature, top-k, top-p and min-p as the target's p), and draft tokens
+are drawn from q with the request's generator, both handed over in `begin`. Greedy requests take
+the argmax and return q = None (one-hot), which is what greedy verification compares against.
+
+Confidence cut-off (llama.cpp's --draft-p-min). Drafting stops before position i when the top
+probability there is below `draft_p_min`: of q under sampling, of the raw softmax under greedy
+(where q is one-hot and says nothing). A low top probability predicts a rejection, and a draft
+token that will be rejected costs a draft forward and a wider verify pass for nothing. Stopping is
+a decision taken from the draft's own state before its token is drawn, so it leaves verification
+exact; an empty draft makes the engine do a plain step.
+
+Vocabularies. The target's vocabulary is the one that counts: draft logits for ids the target does
+not have are dropped, ids the draft does not have get -inf (probability 0), so q always has the
+target's vocabulary size. Models of one family are often padded to a round size, so sizes within
+`VOCAB_SIZE_TOLERANCE` are accepted; a larger difference, or tokenizers that spell a sample of ids
+differently, is an `InvalidRequestError`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from specdec.drafters.base import Proposal, check_k, common_prefix_length
+from specdec.errors import InvalidRequestError
+from specdec.models.kv_cache import KVCache
+from specdec.models.transformer import Transformer
+from specdec.sampling import SamplingParams, make_generator, process_logits, sample
+
+# Padding differences seen in practice are up to 128 ids (e.g. Qwen2.5 sizes); llama.cpp uses the
+# same bound for its draft-model check.
+VOCAB_SIZE_TOLERANCE = 128
+# Confidence cut-off used when none is given; 0 turns it off. Measured on the default model (Gemma 3
+# 270M, fp32, 32 tokens, k=5): its only same-vocabulary draft is itself, which is always right, so a
+# cut-off only shortens drafts (0: 9.9 tok/s; 0.5: 7.0; 0.8: 6.1). With a poor draft (the same model
+# minus 6 of 18 layers, 3% accepted) it limits the damage (0: 2.3 tok/s; 0.5: 5.4) but plain decoding
+# (11.6) is better still. So off by default; worth setting for a draft of uneven quality.
+DEFAULT_DRAFT_P_MIN = 0.0
+_INITIAL_ROOM = 256  # cache slots beyond the prompt at `begin`; the cache doubles when full
+_SAMPLE_IDS = 512  # ids whose spelling is compared between the two tokenizers
+
+
+class DraftModelDrafter:
+    """Drafts with a small model on its own KV cache; see the module docstring for the design.
+
+    model: any `Transformer` specdec loads, on the device (and usually the dtype) of the target.
+    target_vocab_size: the target's vocabulary size; q rows have this length.
+    draft_p_min: confidence cut-off in [0, 1]; 0 = off.
+    tokenizer, target_tokenizer: the two models' tokenizers where both have one: a sample of ids
+        must decode alike, else `InvalidRequestError`.
+    """
+
+    name = "draft_model"
+
+    def __init__(
+        self,
+        model: Transformer,
+        target_vocab_size: int,
+        draft_p_min: float = DEFAULT_DRAFT_P_MIN,
+        tokenizer=None,
+        target_tokenizer=None,
+    ):
+        check_draft_p_min(draft_p_min)
+        check_same_vocabulary(target_vocab_size, model.config.vocab_size, target_tokenizer, tokenizer)
+        self.model = model
+        self.target_vocab_size = target_vocab_size
+        self.draft_p_min = float(draft_p_min)
+        self._sampling = SamplingParams()
+        self._generator: torch.Generator | None = None
+        self._cache: KVCache | None = None
+        self._tokens: list[int] = []  # ids whose keys/values the cache holds, in order
+
+    @classmethod
+    def load(
+        cls,
+        source: str | Path,
+        target_vocab_size: int,
+        dtype: torch.dtype,
+        device,
+        draft_p_min: float = DEFAULT_DRAFT_P_MIN,
+        target_tokenizer=None,
+        progress=None,
+    ) -> "DraftModelDrafter":
+        """Load a draft model from an HF folder or a .gguf file (converted once, as for targets)."""
+        from specdec.models import loader
+        from specdec.tokenizer import Tokenizer
+
+        check_draft_p_min(draft_p_min)  # before the slow part
+        model, folder = loader.load(source, dtype, device, progress)
+        return cls(model, target_vocab_size, draft_p_min, Tokenizer.from_folder(folder), target_tokenizer)
+
+    # -- protocol -------------------------------------------------------------------------------
+
+    def begin(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self._sampling = sampling or SamplingParams()
+        if generator is None and not self._sampling.greedy:
+            generator = make_generator(self._sampling.seed, self.device)
+        self._generator = generator
+        self._cache = self.model.new_cache(1, len(prompt_ids) + _INITIAL_ROOM)
+        self._tokens = []
+
+    def propose(self, context: list[int], k: int) -> Proposal:
+        check_k(k)
+        k = min(k, self.model.config.max_position - len(context))  # the draft's own context limit
+        if k <= 0 or not context:
+            return Proposal([])
+        if self._cache is None:  # propose without begin: start a greedy request
+            self.begin(list(context))
+        logits = self._sync(context)  # [vocab_target] for the token after context
+        tokens: list[int] = []
+        qs: list[Tensor] = []
+        while True:
+            token, q = self._choose(logits)
+            if token is None:
+                break  # below the confidence cut-off
+            tokens.append(token)
+            if q is not None:
+                qs.append(q)
+            if len(tokens) == k:
+                break  # the last draft is forwarded next time, if it is accepted
+            logits = self._forward([token], len(context) + len(tokens) - 1)
+        return Proposal(tokens, torch.stack(qs) if qs else None)
+
+    def _choose(self, logits: Tensor) -> tuple[int | None, Tensor | None]:
+        """One draft position: (token, q row) from logits [target_vocab]; token None = stop here.
+
+        Greedy: the argmax, q None (one-hot); the cut-off reads the raw softmax. Sampling: q is the
+        processed distribution, the token is drawn from it; the cut-off reads q.
+        """
+        if self._sampling.greedy:
+            if self.draft_p_min > 0 and float(logits.softmax(-1).max()) < self.draft_p_min:
+                return None, None
+            return int(logits.argmax()), None
+        q = process_logits(logits, self._sampling)  # [target_vocab]
+        if self.draft_p_min > 0 and float(q.max()) < self.draft_p_min:
+            return None, None
+        return int(sample(q, self._generator)), q
+
+    def feedback(self, num_accepted: int) -> None:
+        # Nothing to do: the next propose truncates the rejected drafts by the prefix rule.
+        pass
+
+    def end(self, output_ids: list[int]) -> None:
+        self._cache = None  # free the cache between requests
+        self._tokens = []
+        self._generator = None
+
+    # -- introspection (tests, stats) -----------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def cached_tokens(self) -> list[int]:
+        """The ids whose keys and values the draft cache holds (a copy)."""
+        return list(self._tokens)
+
+    @property
+    def cache_length(self) -> int:
+        return 0 if self._cache is None else self._cache.length()
+
+    # -- cache sync -----------------------------------------------------------------------------
+
+    def _sync(self, context: Sequence[int]) -> Tensor:
+        """Make the cache hold context[:-1] + the last token's keys; return the next-token logits."""
+        keep = min(common_prefix_length(self._tokens, context), len(context) - 1)
+        self._cache.truncate(keep)
+        del self._tokens[keep:]
+        return self._forward(list(context[keep:]), keep)
+
+    def _forward(self, new: list[int], start: int) -> Tensor:
+        """Forward `new` at positions start.. (start == cache length); logits after the last one.
+
+        Returns logits [target_vocab] float32, already mapped to the target's vocabulary.
+        """
+        assert start == len(self._tokens) == self._cache.length()
+        self._ensure_room(len(new))
+        vocab = self.model.config.vocab_size
+        # Ids only the target has (padding region) cannot be embedded: feed 0 instead. This can
+        # only make the draft worse, never the output wrong (verification decides).
+        ids = torch.tensor([[t if t < vocab else 0 for t in new]], device=self.device)  # [1, T]
+        positions = torch.arange(start, start + len(new), device=self.device)[None]  # [1, T]
+        logits, _ = self.model(ids, positions, self._cache, last_n=1)
+        self._tokens.extend(new)
+        return self._to_target_vocab(logits[0, -1])
+
+    def _to_target_vocab(self, logits: Tensor) -> Tensor:
+        """logits [draft_vocab] -> [target_vocab]: drop ids the target lacks, -inf for ids the draft lacks."""
+        extra = self.target_vocab_size - logits.shape[-1]
+        if extra < 0:
+            return logits[: self.target_vocab_size]
+        if extra > 0:
+            return torch.cat([logits, logits.new_full((extra,), -math.inf)])
+        return logits
+
+    def _ensure_room(self, new_tokens: int) -> None:
+        """Grow the cache (double, copying the filled slots) when `new_tokens` would not fit."""
+        cache = self._cache
+        need = cache.length() + new_tokens
+        if need <= cache.capacity:
+            return
+        grown = self.model.new_cache(1, max(need, 2 * cache.capacity))
+        n = cache.length()
+        for src, dst in ((cache.keys, grown.keys), (cache.values, grown.values)):
+            for layer_src, layer_dst in zip(src, dst):
+                layer_dst[:, :, :n] = layer_src[:, :, :n]
+        grown.positions[:, :n] = cache.positions[:, :n]
+        grown.truncate(n)
+        self._cache = grown
+
+
+def check_draft_p_min(draft_p_min: float) -> None:
+    if isinstance(draft_p_min, bool) or not isinstance(draft_p_min, (int, float)) or not 0 <= draft_p_min <= 1:
+        raise InvalidRequestError(f"draft_p_min must be a number in [0, 1] (0 = off), got {draft_p_min!r}",
+                                  param="draft_p_min")
+
+
+def check_same_vocabulary(target_vocab: int, draft_vocab: int, target_tokenizer=None, draft_tokenizer=None) -> None:
+    """Raise `InvalidRequestError` unless the draft speaks the target's vocabulary.
+
+    Sizes may differ by padding (up to `VOCAB_SIZE_TOLERANCE` ids). Where both models have a
+    tokenizer, a fixed sample of ids (the first 32, then evenly spread over the shared range) must
+    decode to the same text: two different tokenizers of similar size disagree on almost every id.
+    """
+    if abs(target_vocab - draft_vocab) > VOCAB_SIZE_TOLERANCE:
+        raise InvalidRequestError(
+            f"the draft model's vocabulary ({draft_vocab} ids) is not the target's ({target_vocab} ids); "
+            f"a draft model must share the target's tokenizer",
+            param="drafter",
+        )
+    if target_tokenizer is None or draft_tokenizer is None:
+        return
+    shared = min(target_vocab, draft_vocab)
+    step = max(1, shared // _SAMPLE_IDS)
+    ids = sorted(set(range(min(32, shared))) | set(range(0, shared, step)))
+    for i in ids:
+        a, b = target_tokenizer.decode([i]), draft_tokenizer.decode([i])
+        if a != b:
+            raise InvalidRequestError(
+                f"the draft model's tokenizer differs from the target's (id {i} is {b!r} for the draft, "
+                f"{a!r} for the target); a draft model must share the target's tokenizer",
+                param="drafter",
+            )
