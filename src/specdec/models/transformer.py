@@ -131,6 +131,18 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.scale = cfg.score_scale
+        self.qkv_proj: nn.Module | None = None  # set by `fuse`: one projection instead of three
+
+    def fuse(self) -> None:
+        """Replace q/k/v by one projection over the concatenated weights (same math, one call)."""
+        self.qkv_proj = _fused_linear(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # x: [batch, T, hidden]
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.kv_heads * self.head_dim
+        return self.qkv_proj(x).split([self.heads * self.head_dim, kv, kv], dim=-1)
 
     def forward(
         self,
@@ -143,9 +155,10 @@ class Attention(nn.Module):
         visible: Tensor,  # [batch, 1, T, S] bool: which of the first S slots each query sees
     ) -> Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
+        q = q.reshape(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
@@ -166,11 +179,31 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.activation == "gelu_tanh"
+        self.gate_up_proj: nn.Module | None = None  # set by `fuse`
+
+    def fuse(self) -> None:
+        """Replace gate and up by one projection over the concatenated weights."""
+        self.gate_up_proj = _fused_linear(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor) -> Tensor:
-        gate = self.gate_proj(x)
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        return self.down_proj(gate * up)
+
+
+def _fused_linear(*parts: nn.Linear) -> nn.Linear:
+    """One nn.Linear whose output is the parts' outputs side by side."""
+    weight = torch.cat([p.weight.data for p in parts])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None,
+                      device=weight.device, dtype=weight.dtype)
+    fused.weight.data = weight
+    if fused.bias is not None:
+        fused.bias.data = torch.cat([p.bias.data for p in parts])
+    return fused
 
 
 class Block(nn.Module):
@@ -211,6 +244,16 @@ class Transformer(nn.Module):
         self._rope_of_layer = [self._rope_specs.index(r) for r in cfg.layer_rope]
         for i, spec in enumerate(self._rope_specs):
             self.register_buffer(f"inv_freq_{i}", spec.inv_freq(cfg.head_dim).float(), persistent=False)
+
+    def fuse_projections(self) -> "Transformer":
+        """Fuse q/k/v and gate/up into single projections (fewer, larger matrix products).
+
+        Used before int8 quantisation, where each call also pays for quantising its input.
+        """
+        for block in self.layers:
+            block.self_attn.fuse()
+            block.mlp.fuse()
+        return self
 
     def new_cache(self, batch: int, capacity: int, device=None, dtype=None) -> KVCache:
         p = self.embed_tokens.weight

@@ -1,0 +1,74 @@
+"""The int8 CPU path: accuracy, row independence (what makes speculative greedy exact), fusion."""
+
+import pytest
+import torch
+
+from specdec import Engine
+from specdec.drafters import NgramDrafter
+from specdec.errors import InvalidRequestError
+from specdec.models import loader
+from specdec.models.quant import Int8Linear, cpu_int8_available, quantize_model
+
+pytestmark = pytest.mark.skipif(not cpu_int8_available(), reason="needs PyTorch's fbgemm CPU backend")
+
+
+def test_int8_linear_is_close_to_float():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 64, generator=g) * 0.05
+    b = torch.randn(300, generator=g)
+    x = torch.randn(5, 64, generator=g)
+    lin = Int8Linear(w, b)
+    ref = x @ w.T + b
+    err = (lin(x) - ref).abs().max() / ref.abs().max()
+    assert err < 0.02  # int8 weights: ~0.4% per weight; activations carry ~15 bits
+    # The weights really are int8: the error is not zero.
+    assert (lin(x) - ref).abs().max() > 0
+
+
+def test_int8_rows_do_not_depend_on_each_other():
+    """A verify pass over k+1 rows must compute each row exactly as a one-row pass does."""
+    g = torch.Generator().manual_seed(1)
+    lin = Int8Linear(torch.randn(200, 48, generator=g))
+    x = torch.randn(9, 48, generator=g)
+    x[3] *= 100.0  # one row with a much larger range must not change the others
+    together = lin(x)
+    for i in range(len(x)):
+        assert torch.equal(lin(x[i : i + 1])[0], together[i])
+
+
+def test_fused_projections_compute_the_same(tmp_path):
+    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, "qwen2")
+    model, _ = loader.load(folder, torch.float32, "cpu")
+    ids = torch.arange(20)[None]
+    before, _ = model(ids, torch.arange(20)[None], model.new_cache(1, 32))
+    model.fuse_projections()
+    after, _ = model(ids, torch.arange(20)[None], model.new_cache(1, 32))
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_int8_model_close_and_speculative_greedy_identical(tmp_path, family):
+    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, family)
+    ref, _ = loader.load(folder, torch.float32, "cpu")
+    model, _ = loader.load(folder, torch.float32, "cpu")
+    quantize_model(model, "int8")
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(24)[None]
+    a, _ = ref(ids, pos, ref.new_cache(1, 32))
+    b, _ = model(ids, pos, model.new_cache(1, 32))
+    top_agree = (a.argmax(-1) == b.argmax(-1)).float().mean()
+    assert top_agree > 0.9
+    plain = Engine(model, None)
+    spec = Engine(model, None, NgramDrafter(), 5)
+    for seed in range(3):
+        prompt = torch.randint(0, 20, (10,), generator=torch.Generator().manual_seed(seed)).tolist() * 2
+        x = plain.generate(prompt_ids=prompt, max_new_tokens=40)
+        y = spec.generate(prompt_ids=prompt, max_new_tokens=40)
+        assert x.token_ids == y.token_ids
+
+
+def test_bad_quantize_values():
+    with pytest.raises(InvalidRequestError, match="quantize"):
+        Engine.load("default", quantize="int3")
+    with pytest.raises(ValueError):
+        quantize_model(torch.nn.Linear(2, 2), "int3")
