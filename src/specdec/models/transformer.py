@@ -102,9 +102,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # Normalise in float32 whatever the activation dtype: the mean of squares is where
         # bfloat16 would lose the most.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (self.offset + self.weight.float())).to(x.dtype)
+        # x / sqrt(mean(x^2) + eps) * (offset + w), as one fused op.
+        scale = self.weight.float() + self.offset if self.offset else self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
