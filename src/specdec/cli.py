@@ -20,12 +20,15 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-ids", help="comma-separated token ids (for models without a tokenizer)")
     gen.add_argument("--model", default="default", help="HF folder or .gguf file (default: Gemma 3 270M)")
     gen.add_argument("--drafter", default="none",
-                     help="none | ngram | suffix | PATH of a draft model (HF folder or .gguf) sharing the vocabulary")
+                     help="none | ngram | suffix | eagle (the shipped head of the default model) | "
+                          "eagle:DIR (a trained head) | PATH of a draft model (HF folder or .gguf) "
+                          "sharing the vocabulary")
     gen.add_argument("--draft-p-min", type=float, default=None,
                      help="draft model: stop drafting below this top probability (0 = off)")
     gen.add_argument("--quantize", default="none", choices=["none", "int8"],
-                     help="int8: int8 weight-only linears and output head (CPU); changes the target, "
-                          "plain and speculative then share it")
+                     help="int8: int8 weights for every linear and the output head, activations on two "
+                          "7-bit planes per row (CPU, fbgemm); changes the target, plain and "
+                          "speculative then share it")
     gen.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
     gen.add_argument("--draft-length", default="fixed", choices=["fixed", "adaptive"])
     gen.add_argument("--max-tokens", type=int, default=64)
