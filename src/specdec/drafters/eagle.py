@@ -50,6 +50,7 @@ from specdec.drafters.base import Proposal, check_k, common_prefix_length
 from specdec.drafters.draft_model import check_draft_p_min
 from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
+from specdec.models.quant import linear_rows
 from specdec.models.transformer import Block, ModelConfig, Transformer
 from specdec.sampling import SamplingParams, make_generator, process_logits, sample
 from specdec.verify import TokenTree
@@ -180,7 +181,8 @@ class EagleModel(nn.Module):
         # References, not copies: the target's modules are frozen and shared.
         self._target = [target]  # a list so nn.Module does not register (and save) the target
         self.register_buffer("d2t", d2t.to(device=weight.device, dtype=torch.long), persistent=False)
-        self.register_buffer("head_rows", target.lm_head.weight.detach()[self.d2t].clone(), persistent=False)
+        rows = linear_rows(target.lm_head, self.d2t).to(weight.dtype)  # works for an int8 target too
+        self.register_buffer("head_rows", rows.clone(), persistent=False)
         self.embed_scale = cfg.embed_scale
         self.softcap = cfg.final_logit_softcap
         self.target_vocab_size = cfg.vocab_size
@@ -190,7 +192,7 @@ class EagleModel(nn.Module):
         return self._target[0]
 
     def embed(self, tokens: Tensor) -> Tensor:  # [B, T] -> [B, T, h], scaled like the target's input
-        x = self.target.embed_tokens.weight.detach()[tokens]
+        x = self.target.embed_tokens(tokens).detach()  # a module call: float or int8 tables alike
         if self.embed_scale != 1.0:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         return x

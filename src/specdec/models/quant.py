@@ -88,6 +88,13 @@ class Int8Linear(nn.Module):
         return out.view(*lead, self.out_features).to(x.dtype)
 
 
+def linear_rows(linear: nn.Module, ids: Tensor) -> Tensor:
+    """Rows `ids` of a linear layer's weight [len(ids), in], float or int8 (then dequantised)."""
+    if isinstance(linear, Int8Linear):
+        return linear.int8_weight()[ids].float() * linear.weight_scale[ids, None]
+    return linear.weight.detach()[ids]
+
+
 class Int8Embedding(nn.Module):
     """Embedding rows stored as int8 with a per-row scale, dequantised on lookup."""
 
