@@ -124,4 +124,9 @@ def test_goodput_rule_drafts_only_when_it_pays():
     assert 0 < model(0.1, 0.005, 0.8).best_k(4, 5) < 5
     assert model(0.1, 0.02, 0.5).best_k(16, 5) == 0
     # Poor drafts never pay once tokens cost anything.
-    assert model(0.1, 0.01, 0.05).best_k(1, 5) == 0
+    poor = model(0.1, 0.01, 0.05)
+    assert poor.best_k(1, 5) == 0
+    # ... but evidence fades step by step, so drafting is tried again later.
+    for _ in range(400):
+        poor.observe_drafts(0, 0)
+    assert poor.alpha == pytest.approx(0.5, abs=0.01) and poor.best_k(1, 5) > 0

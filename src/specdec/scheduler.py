@@ -41,7 +41,9 @@ the smaller cap wins (the request's own k and its remaining token allowance cap 
   makes n * E(k) / t(n, k) tokens per second; the rule picks the k in [0, ceiling] that maximises
   that. When the weights dominate (small b/a) drafting pays even at modest alpha; when the batch
   makes steps compute-bound (large b * n) or the drafts are poor, k falls to 0 and the server
-  decodes plainly. Until it has seen steps of at least two different widths it uses the ceiling.
+  decodes plainly. Evidence fades step by step (exponential weights), so the rule keeps
+  exploring: when recent steps all had one width (no slope to fit) it uses the ceiling for a
+  while, and an acceptance rate learnt from a few bad drafts drifts back to its prior.
 
 A seeded sampled request keeps its k whatever the load: rejection sampling draws from the
 request's generator a number of times that depends on k, so changing k with the load would make
@@ -265,6 +267,9 @@ class GoodputModel:
     """
 
     decay: float = 0.97
+    prior_alpha: float = 0.5  # acceptance assumed before evidence, worth `prior_tokens` drafts
+    prior_tokens: float = 4.0
+    min_width_var: float = 0.25  # tokens^2: below this the recent steps say nothing about the slope
     sw: float = 0.0
     sx: float = 0.0
     sy: float = 0.0
@@ -279,26 +284,39 @@ class GoodputModel:
         self.sxx, self.sxy = d * self.sxx + tokens * tokens, d * self.sxy + tokens * seconds
 
     def observe_drafts(self, drafted: int, accepted: int) -> None:
+        """One step's drafted and accepted tokens over all rows (0, 0 for a step without drafts).
+
+        Called every step, so old evidence fades even while nothing is drafted: the estimate then
+        drifts back to the prior, drafting resumes for a while, and a poor early sample cannot
+        switch speculation off for good (explore, then exploit).
+        """
         self.drafted = self.decay * self.drafted + drafted
         self.accepted = self.decay * self.accepted + accepted
 
     def line(self) -> tuple[float, float] | None:
-        """(a, b) of t = a + b x, or None until steps of different widths were seen."""
-        var = self.sxx * self.sw - self.sx * self.sx
-        if self.sw < 2 or var <= 1e-9 * self.sw * self.sw:
+        """(a, b) of t = a + b x, or None while recent steps had (nearly) one width only.
+
+        The slope comes only from steps of different widths; once those have faded from the
+        weights (the variance of recent widths < `min_width_var`), the slope is stale, and None
+        sends the scheduler back to the ceiling for a while, which measures wider steps anew.
+        """
+        if self.sw < 2:
             return None
-        b = max(0.0, (self.sxy * self.sw - self.sx * self.sy) / var)
+        var = (self.sxx * self.sw - self.sx * self.sx) / (self.sw * self.sw)  # weighted variance of x
+        if var < self.min_width_var:
+            return None
+        b = max(0.0, (self.sxy * self.sw - self.sx * self.sy) / (var * self.sw * self.sw))
         a = max(1e-6, (self.sy - b * self.sx) / self.sw)
         return a, b
 
     @property
-    def alpha(self) -> float | None:
-        return self.accepted / self.drafted if self.drafted >= 1 else None
+    def alpha(self) -> float:
+        return (self.accepted + self.prior_alpha * self.prior_tokens) / (self.drafted + self.prior_tokens)
 
     def best_k(self, rows: int, ceiling: int) -> int:
         """The k in [0, ceiling] with the most expected tokens per second for `rows` sequences."""
         line, alpha = self.line(), self.alpha
-        if line is None or alpha is None or ceiling == 0:
+        if line is None or ceiling == 0:
             return ceiling
         a, b = line
         alpha = min(alpha, 0.999)
@@ -537,6 +555,7 @@ class BatchScheduler:
         base = base.tolist()
         done = []
         offset = 0
+        step_drafted = step_accepted = 0
         for r, (seq, proposal, block) in enumerate(zip(rows, proposals, blocks)):
             seq.stats.target_forwards += 1
             draft = proposal.tokens if proposal else []
@@ -548,12 +567,14 @@ class BatchScheduler:
             view.truncate(base[r] + 1 + verdict.num_accepted, row=r)
             Engine._count(seq.stats, len(draft), verdict.num_accepted)
             Engine._count(self.counters.spec, len(draft), verdict.num_accepted)
-            if self.goodput is not None and draft:
-                self.goodput.observe_drafts(len(draft), verdict.num_accepted)
+            step_drafted += len(draft)
+            step_accepted += verdict.num_accepted
             if proposal is not None:
                 seq.drafter.feedback(verdict.num_accepted)
             if self._emit(seq, verdict.tokens, row_logits):
                 done.append(seq)
+        if self.goodput is not None:
+            self.goodput.observe_drafts(step_drafted, step_accepted)
         for seq in done:
             self._leave(seq, seq.out.finish_reason)
 

@@ -91,7 +91,8 @@ async def run_level(url: str, prompts: list[str], mode: str, concurrency: int, n
                     "speculative": speculative}
             start = time.perf_counter()
             res = await http.post(url + "/v1/completions", json=body)
-            res.raise_for_status()
+            if res.status_code != 200:
+                raise SystemExit(f"request {i} failed with {res.status_code}: {res.text}")
             out = res.json()
             latencies.append(time.perf_counter() - start)
             tokens += out["usage"]["completion_tokens"]
@@ -114,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec-token-budget", type=int, default=None)
     parser.add_argument("--speculation-control", default="goodput", choices=["goodput", "budget"])
     parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--requests", type=int, default=16, help="requests per level and mode")
+    parser.add_argument("--requests", type=int, default=0,
+                        help="requests per level and mode (default: the concurrency, at least 4)")
     parser.add_argument("--rounds", type=int, default=1, help="alternations of the two modes per level")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tasks", default="code,summarization,qa", help="bench prompt groups")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -126,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     path = spec_bench_path()
     if path is None:
         groups = ["code"]
-    selected = select_prompts(groups, max(1, -(-args.requests // len(groups))), path)
+    most = args.requests or max(4, max(args.levels))
+    selected = select_prompts(groups, max(1, -(-most // len(groups))), path)
     prompts = [p.text for p in selected]
 
     proc = None
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in args.levels:
             for _ in range(args.rounds):
                 for mode in ("spec", "plain"):
-                    results.append(asyncio.run(run_level(url, prompts, mode, c, args.requests, args)))
+                    n = args.requests or max(4, c)
+                    results.append(asyncio.run(run_level(url, prompts, mode, c, n, args)))
                     r = results[-1]
                     print(f"  c={c:<3} {mode:<5} {r.tokens_per_s:7.1f} tok/s  ({r.completion_tokens} tokens, "
                           f"{r.wall_s:.1f} s, mean latency {r.mean_latency_s:.2f} s)", file=sys.stderr)
@@ -164,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"rows": rows, "spec_metrics": accepted, "args": vars(args)}))
         return 0
-    print(f"model {args.model}, drafter {args.drafter} k={args.k}, {args.requests} requests x {args.max_tokens} "
-          f"tokens per level and mode, greedy")
+    print(f"model {args.model}, drafter {args.drafter} k={args.k}, speculation control {args.speculation_control}, "
+          f"{args.requests or 'max(4, concurrency)'} requests x {args.max_tokens} tokens per level and mode, greedy")
     print("| concurrency | plain tok/s | speculative tok/s | speedup | outputs differ |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:
