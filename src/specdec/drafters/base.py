@@ -120,6 +120,31 @@ class AdaptiveDraftLength:
             self.k = max(1, self.k - 1)
 
 
+def draft_chain(choose, advance, logits, k: int) -> Proposal:
+    """Draft a chain of up to `k` tokens from a model that drafts one token per pass.
+
+    choose(logits) -> (token, q): the next draft token and its processed distribution (q = None
+    for greedy), or (None, None) to stop (a confidence cut-off); advance(token, i) -> the logits
+    after feeding draft token number i (0-based). The last draft is never fed: nothing reads its
+    logits yet. Returns the tokens with q stacked to [len(tokens), vocab] (None when greedy).
+    """
+    import torch
+
+    tokens: list[int] = []
+    qs = []
+    while True:
+        token, q = choose(logits)
+        if token is None:
+            break
+        tokens.append(token)
+        if q is not None:
+            qs.append(q)
+        if len(tokens) == k:
+            break
+        logits = advance(token, len(tokens) - 1)
+    return Proposal(tokens, torch.stack(qs) if qs else None)
+
+
 def common_prefix_length(seen: list[int], context: Sequence[int]) -> int:
     """Length of the longest common prefix of `seen` and `context`.
 

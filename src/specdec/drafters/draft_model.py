@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specdec.drafters.base import Proposal, check_k, common_prefix_length
+from specdec.drafters.base import Proposal, check_k, common_prefix_length, draft_chain
 from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
 from specdec.models.transformer import Transformer
@@ -142,19 +142,8 @@ class DraftModelDrafter:
         if self._cache is None:  # propose without begin: start a greedy request
             self.begin(list(context))
         logits = self._sync(context)  # [vocab_target] for the token after context
-        tokens: list[int] = []
-        qs: list[Tensor] = []
-        while True:
-            token, q = self._choose(logits)
-            if token is None:
-                break  # below the confidence cut-off
-            tokens.append(token)
-            if q is not None:
-                qs.append(q)
-            if len(tokens) == k:
-                break  # the last draft is forwarded next time, if it is accepted
-            logits = self._forward([token], len(context) + len(tokens) - 1)
-        return Proposal(tokens, torch.stack(qs) if qs else None)
+        # Draft i sits at position len(context) + i; the last one is forwarded next time, if accepted.
+        return draft_chain(self._choose, lambda token, i: self._forward([token], len(context) + i), logits, k)
 
     def _choose(self, logits: Tensor) -> tuple[int | None, Tensor | None]:
         """One draft position: (token, q row) from logits [target_vocab]; token None = stop here.

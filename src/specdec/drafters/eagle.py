@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from specdec.drafters.base import Proposal, check_k, common_prefix_length
+from specdec.drafters.base import Proposal, check_k, common_prefix_length, draft_chain
 from specdec.drafters.draft_model import check_draft_p_min
 from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
@@ -362,25 +362,19 @@ class EagleDrafter:
         n = len(context)
         feat, logits = root
         committed = self._cache.length()  # == n - 1: what to roll back to after drafting
-        tokens: list[int] = []
-        qs: list[Tensor] = []
-        while True:
-            token, q = self._choose(logits)
-            if token is None:
-                break  # below the confidence cut-off
-            tokens.append(token)
-            if q is not None:
-                qs.append(q)
-            if len(tokens) == k:
-                break
-            # Autoregressive over its own features: entry n - 1 + i consumes (f^, draft token).
-            pos = torch.tensor([[n - 1 + len(tokens)]], device=self.device)
-            feat, logits = self.model.step(feat, torch.tensor([[token]], device=self.device), pos, self._cache)
-            logits = logits[0, -1]
+        state = [feat]
+
+        def advance(token: int, i: int) -> Tensor:
+            # Autoregressive over its own features: entry n + i consumes (f^, draft token i).
+            pos = torch.tensor([[n + i]], device=self.device)
+            state[0], out = self.model.step(state[0], torch.tensor([[token]], device=self.device), pos, self._cache)
+            return out[0, -1]
+
+        proposal = draft_chain(self._choose, advance, logits, k)
         # Draft entries were built from predicted features: drop them; the target's features of
         # the accepted ones arrive through `observe` and rebuild them next time.
         self._cache.truncate(committed)
-        return Proposal(tokens, torch.stack(qs) if qs else None)
+        return proposal
 
     @torch.inference_mode()
     def propose_tree(self, context: list[int], depth: int = 5, top_k: int = 4, budget: int = 24) -> TokenTree:
