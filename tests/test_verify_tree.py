@@ -82,7 +82,7 @@ def no_residual_rule(p, q, tree, generator):
                 break
         else:
             token = int(torch.multinomial(r, 1, generator=generator))
-            return TreeVerdict(path, [tree.tokens[i] for i in path], token, "recovered")
+            return TreeVerdict([tree.tokens[i] for i in path], token, "recovered", path=path)
 
 
 def tree_sample(p_table, q_table, mode, rule, generator, rng):

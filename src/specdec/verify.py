@@ -191,19 +191,10 @@ class TokenTree:
 
 
 @dataclass(frozen=True)
-class TreeVerdict:
-    path: list[int]  # accepted node indices, root side first
-    accepted: list[int]  # their tokens
-    next_token: int  # recovered or bonus
-    kind: str  # "recovered" | "bonus"
+class TreeVerdict(Verdict):
+    """A `Verdict` whose accepted tokens are a root-to-node path of a token tree."""
 
-    @property
-    def num_accepted(self) -> int:
-        return len(self.accepted)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.accepted + [self.next_token]
+    path: list[int]  # accepted node indices, root side first (`accepted` holds their tokens)
 
 
 def verify_tree_greedy(target_logits: Tensor, tree: TokenTree) -> TreeVerdict:
@@ -221,7 +212,7 @@ def verify_tree_greedy(target_logits: Tensor, tree: TokenTree) -> TreeVerdict:
         kids = tree.children(node)
         nxt = next((c for c in kids if tree.tokens[c] == want), None)
         if nxt is None:
-            return TreeVerdict(path, [tree.tokens[i] for i in path], want, "recovered" if kids else "bonus")
+            return TreeVerdict([tree.tokens[i] for i in path], want, "recovered" if kids else "bonus", path=path)
         path.append(nxt)
         node = nxt
 
@@ -259,4 +250,4 @@ def verify_tree_sampling(p: Tensor, q: Tensor | None, tree: TokenTree, generator
         if moved:
             continue
         token = int(torch.multinomial(r, 1, generator=generator))
-        return TreeVerdict(path, [tree.tokens[i] for i in path], token, "recovered" if kids else "bonus")
+        return TreeVerdict([tree.tokens[i] for i in path], token, "recovered" if kids else "bonus", path=path)
