@@ -45,3 +45,14 @@ def default_engine_fp32():
     from specdec import Engine
 
     return Engine.load(target="default", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models are all per-call overhead: on a shared 2-core machine two threads fight each
+    other and run ~10x slower than one. Modules of tiny-model tests opt in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -24,14 +24,7 @@ make_tiny_hf = __import__("conftest").make_tiny_hf
 V = 97  # make_tiny_hf's vocabulary
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models are all per-call overhead: on a shared 2-core machine two threads fight each
-    # other and run ~10x slower than one.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def noisy_copy(model: Transformer, scale: float, seed: int) -> Transformer:

@@ -26,12 +26,7 @@ tdm = __import__("test_draft_model")  # the enumeration + chi-square machinery f
 V = 97  # make_tiny_hf's vocabulary
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_head(target: Transformer, draft_vocab: int, seed: int = 0, intermediate: int = 48) -> EagleModel:
