@@ -51,7 +51,7 @@ from specdec.drafters.draft_model import check_draft_p_min
 from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
 from specdec.models.quant import linear_rows
-from specdec.models.transformer import Block, ModelConfig, Transformer
+from specdec.models.transformer import Block, ModelConfig, Transformer, rope_tables
 from specdec.sampling import SamplingParams, make_generator, process_logits, sample
 from specdec.verify import TokenTree
 
@@ -149,9 +149,9 @@ class EagleHead(nn.Module):
             else:
                 block_ok = mask.gather(2, rel.clamp(0, t - 1).expand(-1, t, -1))
             visible = ((rel < 0) | ((rel < t) & block_ok))[:, None]  # [B, 1, T, S]
-        angles = positions[:, None, :, None].float() * self.inv_freq  # [B, 1, T, d/2]
+        cos, sin = rope_tables(positions, self.inv_freq)
         x = self.fc(torch.cat([features, embeds], dim=-1))
-        x = self.block(x, angles.cos(), angles.sin(), cache, 0, slots, visible)
+        x = self.block(x, cos, sin, cache, 0, slots, visible)
         cache.lengths += t
         return x
 

@@ -93,28 +93,60 @@ class ModelConfig:
         return self.query_scale or self.head_dim**-0.5
 
 
+def inference_constant(owner: nn.Module, name: str, sources: tuple[Tensor, ...], compute) -> Tensor:
+    """`compute()`, remembered on `owner` under inference mode while `sources` are unchanged.
+
+    Decoding runs a layer's small derived tensors (norm scales) hundreds of times a token, and on a
+    CPU every op costs microseconds of dispatch; outside inference mode (training) it recomputes so
+    gradients flow. A source replaced or changed in place (new storage or version) recomputes it;
+    inference tensors have no version counter, so for them only a new storage does.
+    """
+    if not torch.is_inference_mode_enabled():
+        return compute()
+    key = tuple((t.data_ptr(), -1 if t.is_inference() else t._version) for t in sources)
+    memo = owner.__dict__.get(name)
+    if memo is None or memo[0] != key:
+        memo = owner.__dict__[name] = (key, compute())
+    return memo[1]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, offset: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps, self.offset = eps, offset
 
+    def scale(self) -> Tensor:
+        """The float32 factor (offset + w)."""
+        w = self.weight
+        return inference_constant(self, "_scale", (w,), lambda: w.float() + self.offset if self.offset else w.float())
+
     def forward(self, x: Tensor) -> Tensor:
         # Normalise in float32 whatever the activation dtype: the mean of squares is where
         # bfloat16 would lose the most.
         # x / sqrt(mean(x^2) + eps) * (offset + w), as one fused op.
-        scale = self.weight.float() + self.offset if self.offset else self.weight.float()
-        return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.scale(), self.eps)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.scale(), self.eps).to(x.dtype)
+
+
+def rope_tables(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotary angles, [batch, 1, T, head_dim], for `rotate` (computed once a pass)."""
+    angles = positions[:, None, :, None].float() * inv_freq  # [b, 1, T, d/2]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding, half-split layout (pairs are (i, i + d/2)), as HF stores the weights.
+    """Rotary embedding, half-split layout (pairs are (i, i + d/2)), as HF stores the weights:
+    x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1).
 
-    x: [batch, heads, T, head_dim]; cos, sin: [batch, 1, T, head_dim // 2]
+    x: [batch, heads, T, head_dim]; cos, sin: [batch, 1, T, head_dim] from `rope_tables`
     """
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    xf = x if x.dtype == torch.float32 else x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    out = xf * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -130,6 +162,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_eps, cfg.norm_offset)
         self.qk_norm = cfg.qk_norm
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.eps = cfg.rms_eps
         self.scale = cfg.score_scale
         self.qkv_proj: nn.Module | None = None  # set by `fuse`: one projection instead of three
 
@@ -138,16 +171,29 @@ class Attention(nn.Module):
         self.qkv_proj = _fused_linear(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # x: [batch, T, hidden]
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [batch, T, hidden] -> queries and keys side by side [batch, T, heads + kv_heads, d] and
+        values [batch, T, kv_heads, d]: q and k then take their norm and rotation in one op each."""
+        b, t, _ = x.shape
         if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        kv = self.kv_heads * self.head_dim
-        return self.qkv_proj(x).split([self.heads * self.head_dim, kv, kv], dim=-1)
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        else:
+            qkv = self.qkv_proj(x)
+        qkv = qkv.view(b, t, -1, self.head_dim)
+        return qkv[:, :, : self.heads + self.kv_heads], qkv[:, :, self.heads + self.kv_heads :]
+
+    def qk_scale(self) -> Tensor:
+        """The q and k norms' factors stacked per head: [heads + kv_heads, head_dim]."""
+        q, k = self.q_norm.scale(), self.k_norm.scale()
+        return inference_constant(
+            self, "_qk_scale", (q, k),
+            lambda: torch.cat((q.expand(self.heads, -1), k.expand(self.kv_heads, -1))),
+        )
 
     def forward(
         self,
         x: Tensor,  # [batch, T, hidden]
-        cos: Tensor,  # [batch, 1, T, head_dim // 2]
+        cos: Tensor,  # [batch, 1, T, head_dim] from `rope_tables`
         sin: Tensor,
         cache: KVCache,
         layer: int,
@@ -155,14 +201,14 @@ class Attention(nn.Module):
         visible: Tensor,  # [batch, 1, T, S] bool: which of the first S slots each query sees
     ) -> Tensor:
         b, t, _ = x.shape
-        q, k, v = self.project(x)
-        q = q.reshape(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = k.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        qk, v = self.project(x)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        cache.write(layer, k, v, slots)
+            # Per head: the same RMSNorm as q_norm / k_norm, over all q and k heads at once.
+            dtype = qk.dtype
+            qk = (F.rms_norm(qk.float(), (self.head_dim,), None, self.eps) * self.qk_scale()).to(dtype)
+        qk = rotate(qk.transpose(1, 2), cos, sin)  # [b, heads + kv_heads, T, d]
+        q, k = qk[:, : self.heads], qk[:, self.heads :]
+        cache.write(layer, k, v.transpose(1, 2), slots)
         span = visible.shape[-1]
         keys = cache.keys[layer][:, :, :span]
         values = cache.values[layer][:, :, :span]
@@ -291,10 +337,7 @@ class Transformer(nn.Module):
         if cfg.embed_scale != 1.0:
             # Cast the scale to the activation dtype first, as the reference implementations do.
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        rope = []
-        for i in range(len(self._rope_specs)):
-            angles = positions[:, None, :, None].float() * getattr(self, f"inv_freq_{i}")  # [b, 1, T, d/2]
-            rope.append((angles.cos(), angles.sin()))
+        rope = [rope_tables(positions, getattr(self, f"inv_freq_{i}")) for i in range(len(self._rope_specs))]
         for layer, block in enumerate(self.layers):
             cos, sin = rope[self._rope_of_layer[layer]]
             visible = visible_full if cfg.layer_window[layer] is None else visible_local[cfg.layer_window[layer]]
