@@ -106,6 +106,21 @@ def test_ngram_incremental_index_matches_brute_force():
         d.end(ctx[len(prompt) :])
 
 
+def test_ngram_tree_merges_continuations():
+    d = NgramDrafter(max_ngram=2)
+    context = [1, 2, 3, 4, 9, 1, 2, 5, 6, 8, 2, 7, 1, 2]
+    d.begin(context)
+    tree = d.propose_tree(context, depth=3, top_k=3, budget=20)
+    # "1 2" -> [5, 6, 8] (most recent first), [3, 4, 9]; then "2" -> [7, 1, 2] (5 and 3 known).
+    assert tree.tokens[:3] == [5, 6, 8] and tree.children(-1) == [0, 3, 6]
+    assert [tree.tokens[c] for c in tree.children(-1)] == [5, 3, 7]
+    assert tree.tokens[:3] == d.propose(context, 3).tokens  # the first path is the chain
+    assert len(d.propose_tree(context, depth=3, top_k=2, budget=20).children(-1)) == 2
+    small = d.propose_tree(context, depth=3, top_k=3, budget=4)
+    assert len(small) == 4 and small.tokens == [5, 6, 8, 3]
+    assert len(d.propose_tree([42, 43], depth=3, top_k=3, budget=4)) == 0  # no match: a plain step
+
+
 def test_ngram_begin_resets_and_divergent_context_rebuilds():
     d = NgramDrafter(max_ngram=2)
     d.begin([1, 2, 3, 1, 2])
