@@ -19,7 +19,6 @@ from specdec.models import loader
 from specdec.models.transformer import ModelConfig, RopeSpec, Transformer
 from specdec.sampling import make_generator, process_logits, sample
 from specdec.train import TrainConfig, train_head, unrolled_visibility
-from specdec.verify import verify_tree_greedy
 
 make_tiny_hf = __import__("conftest").make_tiny_hf
 tdm = __import__("test_draft_model")  # the enumeration + chi-square machinery for exact sampling
@@ -174,39 +173,13 @@ def test_sub_vocabulary_q_equals_full_vocabulary_processing(tiny):
 # -- token trees ----------------------------------------------------------------------------------------
 
 
-def tree_generate(target, drafter, ids, max_new, **tree_args):
-    """Greedy decoding with draft trees: the loop the engine would run for trees (one target pass
-    over root + nodes with the tree mask, the greedy walk, `compact` of the accepted path, the
-    accepted nodes' features to the drafter). Returns (tokens, accepted count per step)."""
-    cache = target.new_cache(1, len(ids) + max_new + 64)
-    logits, hidden = target(torch.tensor([ids]), torch.arange(len(ids))[None], cache, last_n=1)
-    out = [int(logits[0, -1].argmax())]
-    drafter.begin(list(ids))
-    drafter.observe(hidden[0])
-    accepted = []
-    while len(out) < max_new:
-        context = ids + out
-        tree = drafter.propose_tree(context, **tree_args)
-        base = len(context) - 1
-        positions = torch.tensor([[base + d for d in [0] + tree.depths()]])
-        logits, hidden = target(torch.tensor([[context[-1]] + tree.tokens]), positions, cache, mask=tree.mask()[None])
-        verdict = verify_tree_greedy(logits[0], tree)
-        keep = [0] + [i + 1 for i in verdict.path]  # root + accepted nodes, in block order
-        cache.compact(keep, base)
-        drafter.observe(hidden[0, keep])
-        out += verdict.tokens
-        accepted.append(verdict.num_accepted)
-    drafter.end([])
-    return out[:max_new], accepted
-
-
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_tree_greedy_identity_random_head(tiny, family):
     target = tiny[family]["target"]
     drafter = EagleDrafter(random_head(target, 70, seed=2))
-    plain = Engine(target, None)
+    plain, tree = Engine(target, None), Engine(target, None, drafter, draft_tree="3x3x10")
     for ids in prompts(2):
-        got, _ = tree_generate(target, drafter, ids, 30, depth=3, top_k=3, budget=10)
+        got = tree.generate(prompt_ids=ids, max_new_tokens=30).token_ids
         assert got == plain.generate(prompt_ids=ids, max_new_tokens=30).token_ids
 
 
@@ -295,13 +268,14 @@ def test_training_raises_acceptance_and_keeps_identity(tmp_path):
     assert info["final_stats"]["acc1"] > 0.5
     assert after > before + 0.2, (before, after)
     # Trees: more candidates per position, so more tokens per target pass than the chain.
+    chain, tree = Engine(target, None, drafter, 4), Engine(target, None, drafter, draft_tree="4x3x12")
     chain_steps, tree_steps = [], []
     for ids in prompts(4, 6, 48):
-        out = Engine(target, None, drafter, 4).generate(prompt_ids=ids, max_new_tokens=40)
+        out = chain.generate(prompt_ids=ids, max_new_tokens=40)
         chain_steps += [len(s.accepted) for s in out.steps if s.kind != "prefill"]
-        got, accepted = tree_generate(target, drafter, ids, 40, depth=4, top_k=3, budget=12)
-        assert got == out.token_ids
-        tree_steps += accepted
+        got = tree.generate(prompt_ids=ids, max_new_tokens=40)
+        assert got.token_ids == out.token_ids
+        tree_steps += [len(s.accepted) for s in got.steps if s.kind != "prefill"]
     assert sum(tree_steps) / len(tree_steps) > sum(chain_steps) / len(chain_steps)
 
 

@@ -31,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
                           "speculative then share it")
     gen.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
     gen.add_argument("--draft-length", default="fixed", choices=["fixed", "adaptive"])
+    gen.add_argument("--tree", metavar="DEPTHxTOPKxBUDGET", default=None,
+                     help="draft token trees instead of chains (eagle, ngram): DEPTH levels, up to TOPK "
+                          "candidates per node, at most BUDGET nodes scored in one target pass, e.g. 4x3x12; "
+                          "-k and --draft-length then do not apply")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0)
@@ -103,7 +107,8 @@ def _generate(args) -> int:
         raise SpecdecError("give exactly one of --prompt or --prompt-ids")
     print("specdec: loading the model...", file=sys.stderr)
     engine = Engine.load(args.model, args.drafter, args.num_speculative_tokens, args.device, args.dtype,
-                         args.draft_length, progress=_progress, draft_p_min=args.draft_p_min, quantize=args.quantize)
+                         args.draft_length, progress=_progress, draft_p_min=args.draft_p_min, quantize=args.quantize,
+                         draft_tree=args.tree)
     kwargs = dict(prompt=args.prompt, prompt_ids=prompt_ids, max_new_tokens=args.max_tokens, sampling=sampling,
                   stop=args.stop)
     if args.compare:

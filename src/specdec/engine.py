@@ -1,6 +1,8 @@
 """The one decoding loop: prefill, then propose -> verify-forward -> verify -> rollback -> emit.
 
-Plain decoding is the same loop with an empty proposal, so the two cannot drift apart. Every
+Plain decoding is the same loop with an empty proposal, so the two cannot drift apart; so is tree
+decoding, since a chain draft is a token tree that is a path: every step scores the lead token and
+a `TokenTree` of drafts in one target pass and keeps the accepted root-to-node path. Every
 emitted token goes through `_Output.push`, which applies EOS, stop strings and max tokens one
 token at a time: a stop inside an accepted run ends the output exactly where plain decoding would.
 """
@@ -14,14 +16,15 @@ from pathlib import Path
 import torch
 
 from .drafters import AdaptiveDraftLength, NgramDrafter, SuffixDrafter
-from .drafters.base import Drafter, Proposal
+from .drafters.base import Drafter, Proposal, TreeDrafter, TreeShape
 from .drafters.eagle import eagle_head_path, is_eagle_name, make_eagle_drafter
 from .errors import InvalidRequestError, SpecdecError
 from .models import loader
 from .models.transformer import Transformer
 from .sampling import SamplingParams, make_generator, process_logits, sample
 from .tokenizer import Detokenizer, Tokenizer
-from .verify import Verdict, verify_greedy, verify_sampling
+from .verify import TokenTree, TreeVerdict, Verdict, verify_greedy, verify_sampling, verify_tree_greedy, \
+    verify_tree_sampling
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -103,6 +106,10 @@ def make_drafter(name: str, target: Transformer | None = None, target_tokenizer:
                                   target_tokenizer, progress)
 
 
+def _no_trees(name: str) -> InvalidRequestError:
+    return InvalidRequestError(f"drafter {name!r} cannot propose draft trees; eagle and ngram can", "draft_tree")
+
+
 @dataclass
 class Stats:
     prompt_tokens: int = 0
@@ -112,9 +119,12 @@ class Stats:
     prefill_s: float = 0.0
     tokens_per_s: float = 0.0
     drafts: int = 0  # verify steps that had at least one draft token
-    draft_tokens: int = 0
+    draft_tokens: int = 0  # drafted tokens scored by the target (all nodes of a tree)
     accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft index i
+    # Per draft position (depth i + 1 in a tree): steps that accepted a token there, and steps whose
+    # draft reached it (with one or more candidates), so their ratio is the acceptance rate at
+    # that position given the draft got there, for chains and trees alike.
+    accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
 
     @property
@@ -140,7 +150,7 @@ class Step:
     accepted: list[int]
     next_token: int
     kind: str  # "recovered" | "bonus" | "prefill"
-    drafted: int
+    drafted: int  # draft tokens the target scored (tree nodes for a tree)
 
 
 @dataclass
@@ -190,6 +200,14 @@ class _Output:
 
 
 class Engine:
+    """Speculative decoding of one request at a time.
+
+    The drafter proposes a chain of `num_speculative_tokens` tokens per step (`draft_length`
+    "adaptive": the +2/-1 rule moves that length), or, with `draft_tree` (a `TreeShape` or its
+    `DEPTHxTOPKxBUDGET` string), a token tree from its `propose_tree`: several candidates per
+    position, all scored in the same single target pass.
+    """
+
     def __init__(
         self,
         model: Transformer,
@@ -197,16 +215,25 @@ class Engine:
         drafter: Drafter | None = None,
         num_speculative_tokens: int = 5,
         draft_length: str = "fixed",
+        draft_tree: TreeShape | str | None = None,
     ):
         if num_speculative_tokens < 1:
             raise InvalidRequestError("num_speculative_tokens must be >= 1", "num_speculative_tokens")
         if draft_length not in ("fixed", "adaptive"):
             raise InvalidRequestError("draft_length must be 'fixed' or 'adaptive'", "draft_length")
+        tree = TreeShape.parse(draft_tree) if isinstance(draft_tree, str) else draft_tree
+        if tree is not None:
+            if not isinstance(drafter, TreeDrafter):
+                raise _no_trees(getattr(drafter, "name", "none") if drafter is not None else "none")
+            if draft_length != "fixed":
+                raise InvalidRequestError("draft_length 'adaptive' moves a chain's length; a draft tree has "
+                                          "a fixed shape", "draft_length")
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.k = num_speculative_tokens
         self.draft_length = draft_length
+        self.draft_tree: TreeShape | None = tree
 
     @classmethod
     def load(
@@ -220,8 +247,12 @@ class Engine:
         progress=None,
         draft_p_min: float | None = None,
         quantize: str = "none",
+        draft_tree: TreeShape | str | None = None,
     ) -> "Engine":
         """Load a target (and drafter) ready to generate.
+
+        `draft_tree` (e.g. "5x4x24", see `TreeShape`) drafts token trees instead of chains; the
+        drafter must be one that proposes trees (eagle, ngram).
 
         `quantize="int8"` replaces the target's linear layers and output head by int8 weight-only
         versions (CPU only; see `models/quant.py`). That changes the target model itself, so plain
@@ -230,6 +261,8 @@ class Engine:
         from .models.quant import QUANT_MODES, cpu_int8_available, quantize_model
 
         device = resolve_device(device)
+        if isinstance(draft_tree, str):
+            draft_tree = TreeShape.parse(draft_tree)  # a malformed shape fails before the load
         torch_dtype = resolve_dtype(dtype, device)
         if quantize not in QUANT_MODES:
             raise InvalidRequestError(f"unknown quantize {quantize!r}; choose {' or '.join(QUANT_MODES)}", "quantize")
@@ -239,12 +272,14 @@ class Engine:
         # after the target, whose vocabulary, device and dtype it takes.
         draft_path = draft_model_path(drafter)
         made = None if draft_path else make_drafter(drafter, draft_p_min=draft_p_min)
+        if draft_tree is not None and not is_eagle_name(drafter) and not isinstance(made, TreeDrafter):
+            raise _no_trees(drafter)
         model, folder = loader.load(target, torch_dtype, device, progress)
         model = quantize_model(model, quantize)
         tokenizer = Tokenizer.from_folder(folder)
         if draft_path:
             made = make_drafter(drafter, model, tokenizer, draft_p_min, progress)
-        return cls(model, tokenizer, made, num_speculative_tokens, draft_length)
+        return cls(model, tokenizer, made, num_speculative_tokens, draft_length, draft_tree)
 
     @property
     def device(self) -> torch.device:
@@ -282,7 +317,9 @@ class Engine:
         length = AdaptiveDraftLength(self.k, max(self.k, 16)) if self.draft_length == "adaptive" else None
 
         start = time.perf_counter()
-        cache = self.model.new_cache(1, len(ids) + max_new_tokens + self.k + 1)
+        # Room for the longest verify block: the lead token + k chain drafts or `budget` tree nodes.
+        room = self.draft_tree.budget if self.draft_tree is not None else self.k
+        cache = self.model.new_cache(1, len(ids) + max_new_tokens + room + 1)
         tokens = torch.tensor([ids], device=self.device)
         logits, hidden = self.model(tokens, torch.arange(len(ids), device=self.device)[None], cache, last_n=1)
         stats.target_forwards += 1
@@ -300,27 +337,34 @@ class Engine:
 
         while out.finish_reason is None:
             context = ids + out.ids
-            # The last emitted token is not in the cache yet: it leads the verify block.
-            k = min(length.next_k() if length else self.k, max_new_tokens - len(out.ids))
-            proposal = drafter.propose(context, k) if drafter is not None else Proposal([])
-            draft = proposal.tokens[:k]
-            block = [context[-1]] + draft
+            # Never draft past the token allowance: those tokens could not be emitted.
+            tree, q = self._draft(drafter, context, max_new_tokens - len(out.ids), length)
+            # The last emitted token is not in the cache yet: it leads the verify block (the tree's
+            # root, block position 0; node i is block position i + 1, at its depth's position).
             base = len(context) - 1
-            positions = torch.arange(base, base + len(block), device=self.device)[None]
-            logits, hidden = self.model(torch.tensor([block], device=self.device), positions, cache)
+            block = torch.tensor([[context[-1]] + tree.tokens], device=self.device)
+            positions = base + torch.tensor([[0] + tree.depths()], device=self.device)
+            # A path needs only the causal mask; a tree lets each node see just its ancestors.
+            mask = None if tree.is_chain else tree.mask()[None].to(self.device)
+            logits, hidden = self.model(block, positions, cache, mask=mask)
             stats.target_forwards += 1
-            verdict = self._verify(logits[0], proposal, draft, sampling, generator)
-            # Roll back: keep the lead token and the accepted drafts; the verdict's next token
-            # leads the following block.
-            cache.truncate(base + 1 + verdict.num_accepted)
-            self._count(stats, len(draft), verdict.num_accepted)
+            verdict = self._verify_tree(logits[0], tree, q, sampling, generator)
+            # Roll back: keep the lead token and the accepted path; the verdict's next token leads
+            # the following block. A chain's path is a prefix of the block, so moving the length is
+            # enough; a tree's path is packed into consecutive slots first.
+            keep = [0] + [i + 1 for i in verdict.path]  # block positions, increasing
+            if verdict.path == list(range(verdict.num_accepted)):
+                cache.truncate(base + len(keep))
+            else:
+                cache.compact(keep, base)
+            self._count(stats, len(tree), verdict.num_accepted, max(tree.depths(), default=0))
             if drafter is not None:
                 if observe is not None:
-                    observe(hidden[0, : 1 + verdict.num_accepted])  # lead token + accepted drafts
+                    observe(hidden[0, keep])  # lead token + accepted path, in order
                 drafter.feedback(verdict.num_accepted)
-            if length is not None and draft:
-                length.update(len(draft), verdict.num_accepted)
-            steps.append(Step(list(verdict.accepted), verdict.next_token, verdict.kind, len(draft)))
+            if length is not None and len(tree):
+                length.update(len(tree), verdict.num_accepted)
+            steps.append(Step(list(verdict.accepted), verdict.next_token, verdict.kind, len(tree)))
             for token in verdict.tokens:
                 emit(out.push(token))
                 if out.finish_reason is not None:
@@ -364,17 +408,51 @@ class Engine:
         q = None if proposal.q is None else proposal.q[: len(draft)]
         return verify_sampling(process_logits(logits, sampling), q, draft, generator)
 
+    def _draft(self, drafter, context: list[int], allowance: int, length) -> tuple[TokenTree, torch.Tensor | None]:
+        """This step's drafts as a tree (a chain is a path) and their q ([nodes, vocab] or None).
+
+        Tree candidates are deterministic given the context (`TreeDrafter.propose_tree`), so a
+        tree carries no q: verification treats each node as one-hot, which is exact.
+        """
+        if drafter is None:
+            return TokenTree([], []), None
+        if self.draft_tree is not None:
+            shape = self.draft_tree
+            tree = drafter.propose_tree(context, min(shape.depth, allowance), shape.top_k, shape.budget)
+            if len(tree) > shape.budget:
+                raise ValueError(f"{drafter.name} proposed {len(tree)} tree nodes, over the budget of {shape.budget}")
+            return tree, None
+        k = min(length.next_k() if length else self.k, allowance)
+        proposal = drafter.propose(context, k)
+        return TokenTree.chain(proposal.tokens[:k]), None if proposal.q is None else proposal.q[:k]
+
     @staticmethod
-    def _count(stats: Stats, drafted: int, accepted: int) -> None:
+    def _verify_tree(logits, tree: TokenTree, q, sampling, generator) -> TreeVerdict:
+        # logits: [len(tree) + 1, vocab]; q: [len(tree), vocab] or None (one-hot)
+        if tree.is_chain:
+            # A path: the chain rules decide exactly as the tree rules would (greedy: the same
+            # verdict; sampling: the same distribution), vectorised, and with the random draws
+            # chain decoding has always made, so a seed keeps its output.
+            v = Engine._verify(logits, Proposal(tree.tokens, q), tree.tokens, sampling, generator)
+            return TreeVerdict(v.accepted, v.next_token, v.kind, path=list(range(v.num_accepted)))
+        if sampling.greedy:
+            return verify_tree_greedy(logits, tree)
+        return verify_tree_sampling(process_logits(logits, sampling), q, tree, generator)
+
+    @staticmethod
+    def _count(stats: Stats, drafted: int, accepted: int, depth: int | None = None) -> None:
+        """One verify step: `drafted` tokens scored, reaching `depth` positions (a chain's depth is
+        its length, the default; a tree's its deepest level), `accepted` of them on the path."""
         if not drafted:
             return
+        depth = drafted if depth is None else depth
         stats.drafts += 1
         stats.draft_tokens += drafted
         stats.accepted_tokens += accepted
-        while len(stats.drafted_per_position) < drafted:
+        while len(stats.drafted_per_position) < depth:
             stats.drafted_per_position.append(0)
             stats.accepted_per_position.append(0)
-        for i in range(drafted):
+        for i in range(depth):
             stats.drafted_per_position[i] += 1
             if i < accepted:
                 stats.accepted_per_position[i] += 1

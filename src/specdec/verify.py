@@ -162,6 +162,16 @@ class TokenTree:
         if any(not -1 <= p < i for i, p in enumerate(self.parents)):
             raise ValueError("every parent must be -1 or an earlier node")
 
+    @classmethod
+    def chain(cls, tokens: list[int]) -> "TokenTree":
+        """A chain draft as a tree: node i hangs under node i - 1 (a path from the root)."""
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    @property
+    def is_chain(self) -> bool:
+        """True when the tree is one path (empty included): the chain rules and a causal mask apply."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
     def __len__(self) -> int:
         return len(self.tokens)
 

@@ -1,12 +1,14 @@
 """Drafters: cheap guesses of the next tokens, behind one small protocol (see `base.Drafter`).
 
 One drafter a file:
-- `ngram.NgramDrafter`: prompt lookup within the current request.
+- `ngram.NgramDrafter`: prompt lookup within the current request (chains, or trees of the
+  distinct continuations of several earlier occurrences).
 - `suffix.SuffixDrafter`: n-gram frequency cache that also learns from earlier requests.
 - `draft_model.DraftModelDrafter`: a small model with the target's vocabulary, on its own KV cache.
+- `eagle.EagleDrafter`: a one-layer head over the target's own features (chains or trees).
 """
 
-from specdec.drafters.base import AdaptiveDraftLength, Drafter, Proposal
+from specdec.drafters.base import AdaptiveDraftLength, Drafter, Proposal, TreeDrafter, TreeShape
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixDrafter
@@ -18,4 +20,6 @@ __all__ = [
     "NgramDrafter",
     "Proposal",
     "SuffixDrafter",
+    "TreeDrafter",
+    "TreeShape",
 ]

@@ -12,6 +12,10 @@ Lifecycle of one request, as the engine drives it::
         ... verify ...
         drafter.feedback(num_accepted)
     drafter.end(output_ids)                      # output_ids = every generated token
+
+A drafter that can offer several candidates per position also has `propose_tree(context, depth,
+top_k, budget) -> TokenTree` (see `TreeDrafter`); an engine built with a `TreeShape` calls it in
+place of `propose`, and `feedback` then gets the length of the accepted root-to-node path.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from specdec.sampling import SamplingParams
+    from specdec.verify import TokenTree
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,59 @@ class Drafter(Protocol):
     def end(self, output_ids: list[int]) -> None:
         """The request finished with these generated tokens."""
         ...
+
+
+@runtime_checkable
+class TreeDrafter(Drafter, Protocol):
+    """A drafter that can also propose a token tree (EAGLE's head, n-gram lookup)."""
+
+    def propose_tree(self, context: list[int], depth: int, top_k: int, budget: int) -> TokenTree:
+        """At most `budget` nodes, `depth` levels and `top_k` children per node, following `context`.
+
+        The candidates are deterministic given the context (no q): verification treats each as
+        one-hot, which keeps sampling exact (see `verify.verify_tree_sampling`). Siblings come in
+        the order the drafter prefers them (tried in that order when sampling). An empty tree
+        means nothing to propose: the engine does a plain step.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """The size of the draft trees an engine asks for: `depth` levels, at most `top_k` children
+    per node, at most `budget` nodes in all (one target pass scores budget + 1 tokens).
+
+    Written `DEPTHxTOPKxBUDGET` on the command line, e.g. `5x4x24` (EAGLE-2's shape on a GPU;
+    smaller budgets suit a CPU, where every scored token costs).
+    """
+
+    depth: int = 5
+    top_k: int = 4
+    budget: int = 24
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "top_k", "budget"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise InvalidRequestError(f"draft tree {name} must be an integer >= 1, got {value!r}",
+                                          param="draft_tree")
+
+    @classmethod
+    def parse(cls, text: str) -> TreeShape:
+        """`DEPTHxTOPKxBUDGET`, e.g. `5x4x24`."""
+        parts = text.lower().split("x")
+        try:
+            if len(parts) != 3:
+                raise ValueError
+            depth, top_k, budget = (int(x) for x in parts)
+        except ValueError:
+            raise InvalidRequestError(
+                f"draft tree must be written DEPTHxTOPKxBUDGET, e.g. 5x4x24; got {text!r}", param="draft_tree"
+            ) from None
+        return cls(depth, top_k, budget)
+
+    def __str__(self) -> str:
+        return f"{self.depth}x{self.top_k}x{self.budget}"
 
 
 @dataclass
