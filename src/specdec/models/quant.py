@@ -33,11 +33,19 @@ QUANT_MODES = ("none", "int8")
 _LEVELS = 63  # activation grid per plane: integers in [-63, 63] (7-bit, see the module doc)
 
 
-def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-row int8: weight ~= q * scale[:, None]. Returns (q int8 [N, K], scale float32 [N])."""
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+def quantize_rows(weight: Tensor, chunk: int = 8192) -> tuple[Tensor, Tensor]:
+    """Symmetric per-row int8: weight ~= q * scale[:, None]. Returns (q int8 [N, K], scale float32 [N]).
+
+    Works through `chunk` rows at a time, so that quantising the 262k-row output head needs
+    megabytes of float temporaries rather than two more copies of the table.
+    """
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], chunk):
+        w = weight[start : start + chunk].float()
+        s = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        q[start : start + chunk] = torch.round(w / s[:, None]).clamp_(-127, 127)
+        scale[start : start + chunk] = s
     return q, scale
 
 
