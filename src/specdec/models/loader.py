@@ -8,6 +8,7 @@ file read that folder, which takes seconds instead of dequantising again.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -126,6 +127,80 @@ def config_from_hf(raw: dict) -> ModelConfig:
         )
     except KeyError as exc:
         raise ModelLoadError(f"config.json lacks the field {exc.args[0]!r}") from exc
+
+
+_HF_ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """`ModelConfig` -> an HF config.json dict (transformers-4 field names, which `config_from_hf`
+    and transformers both read) that `config_from_hf` turns back into exactly `cfg`.
+
+    For models specdec makes itself (a draft cut from a target). Gemma 3 layers are listed one by
+    one (`layer_types`), since a cut model need not follow the 5-local-1-global pattern. Raises
+    `ModelLoadError` for a config that has no such form (e.g. two sliding-window sizes).
+    """
+    eos = list(cfg.eos_token_ids)
+    raw = {
+        "architectures": [_HF_ARCHITECTURES[cfg.family]],
+        "model_type": "gemma3_text" if cfg.family == "gemma3" else cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_eps,
+        "max_position_embeddings": cfg.max_position,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "tie_word_embeddings": cfg.tie_embeddings,
+    }
+    windows = {w for w in cfg.layer_window if w is not None}
+    if len(windows) > 1:
+        raise ModelLoadError(f"layers with different sliding windows {sorted(windows)} have no HF config")
+    window = next(iter(windows), None)
+    if cfg.family == "gemma3":
+        local = [w is not None for w in cfg.layer_window]
+        global_specs = {r for r, is_local in zip(cfg.layer_rope, local) if not is_local}
+        local_specs = {r for r, is_local in zip(cfg.layer_rope, local) if is_local}
+        if len(global_specs) > 1 or len(local_specs) > 1:
+            raise ModelLoadError("Gemma 3 layers of one type with different rope settings have no HF config")
+        global_rope = next(iter(global_specs), RopeSpec(1e6))
+        local_rope = next(iter(local_specs), RopeSpec(1e4))
+        scalar = cfg.score_scale**-2  # query_pre_attn_scalar, an integer in every released model
+        raw.update({
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in local],
+            "sliding_window": window or 4096,  # unused when no layer slides
+            "rope_theta": global_rope.theta,
+            "rope_local_base_freq": local_rope.theta,
+            "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
+            "final_logit_softcapping": cfg.final_logit_softcap,
+            "hidden_activation": "gelu_pytorch_tanh",
+        })
+        if global_rope.scaling:
+            raw["rope_scaling"] = dict(global_rope.scaling)
+        if local_rope.scaling:
+            raw["rope_parameters"] = {"full_attention": {"rope_theta": global_rope.theta, **dict(global_rope.scaling)},
+                                      "sliding_attention": {"rope_theta": local_rope.theta, **dict(local_rope.scaling)}}
+    else:
+        if len(set(cfg.layer_rope)) != 1:
+            raise ModelLoadError(f"{cfg.family} layers with different rope settings have no HF config")
+        rope = cfg.layer_rope[0]
+        raw.update({"rope_theta": rope.theta, "hidden_act": "silu", "sliding_window": window})
+        if rope.scaling:
+            raw["rope_scaling"] = dict(rope.scaling)
+        if window is not None and cfg.family != "mistral":
+            raw["use_sliding_window"] = True
+        if cfg.family == "llama" and cfg.qkv_bias:
+            raw["attention_bias"] = True
+    back = config_from_hf(raw)
+    if back != cfg:
+        diff = [f.name for f in dataclasses.fields(cfg) if getattr(back, f.name) != getattr(cfg, f.name)]
+        raise ModelLoadError(f"this {cfg.family} config has no HF form specdec reads back alike (differs in {diff})")
+    return raw
 
 
 # --------------------------------------------------------------------------------------------
