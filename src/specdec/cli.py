@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
 SUBCOMMANDS = [
     ("serve", "specdec.server.cli", "run the OpenAI-compatible HTTP server"),
     ("bench", "specdec.bench.cli", "benchmark configurations on Spec-Bench prompts"),
-    ("train-draft", "specdec.train", "train an EAGLE-style draft head for a target (self-distillation)"),
+    ("train-draft", "specdec.train",
+     "train a drafter for a target by self-distillation: an EAGLE-style head or a small draft model"),
 ]
 
 

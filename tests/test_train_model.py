@@ -1,0 +1,205 @@
+"""`train-draft --kind model`: the cut-down draft model is an HF folder that the loader, the
+draft-model drafter and transformers all read; greedy identity with it; training lowers the
+distillation loss and raises acceptance; resume = uninterrupted; the CLI end to end."""
+
+import json
+
+import pytest
+import torch
+
+from specdec import Engine
+from specdec.cli import main
+from specdec.drafters import DraftModelDrafter
+from specdec.errors import InvalidRequestError, ModelLoadError
+from specdec.models import loader
+from specdec.models.transformer import RopeSpec
+from specdec.train import CHECKPOINT_FILE, DATA_FILE, DistillData, TrainConfig, pick_layers, \
+    train_model
+
+make_tiny_hf = __import__("conftest").make_tiny_hf
+peaky_target = __import__("test_eagle").peaky_target  # 2 layers, vocabulary 48, structured greedy text
+V = 97  # make_tiny_hf's vocabulary
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+QUIET = dict(log=lambda *a: None)
+TINY = dict(kind="model", num_seeds=24, gen_tokens=40, gen_batch=8, draft_vocab=40, batch_tokens=200, lr=3e-3,
+            warmup=5, checkpoint_every=5)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = {}
+    for family in ("llama", "gemma3"):
+        folder, hf = make_tiny_hf(tmp_path_factory.mktemp(family), family, seed=0)
+        target, _ = loader.load(folder, torch.float32, "cpu")
+        out[family] = dict(target=target, folder=folder)
+    return out
+
+
+def prompts(n=2, length=10, vocab=V):
+    return [torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(n)]
+
+
+def test_pick_layers():
+    assert pick_layers(18, 4, "spread") == [0, 6, 11, 17]
+    assert pick_layers(18, 4, "first") == [0, 1, 2, 3]
+    assert pick_layers(4, 1, "spread") == [3] and pick_layers(4, 4, "spread") == [0, 1, 2, 3]
+    with pytest.raises(InvalidRequestError, match="between 1 and"):
+        pick_layers(4, 5, "first")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama", "mistral", "qwen2", "qwen3"])
+def test_config_to_hf_round_trip(tmp_path, family):
+    folder, _ = make_tiny_hf(tmp_path, family)
+    cfg, _ = loader.load_hf_folder(folder)
+    assert loader.config_from_hf(loader.config_to_hf(cfg)) == cfg
+
+
+def test_config_to_hf_refuses_what_it_cannot_write(tiny):
+    import dataclasses
+
+    cfg = tiny["llama"]["target"].config
+    mixed = dataclasses.replace(cfg, layer_rope=(RopeSpec(1e4),) * 3 + (RopeSpec(5e5),))
+    with pytest.raises(ModelLoadError, match="rope"):
+        loader.config_to_hf(mixed)
+
+
+@pytest.mark.parametrize("family,layers,pick", [("gemma3", 3, "spread"), ("llama", 2, "first")])
+def test_untrained_draft_is_the_cut_target_and_drafts(tiny, tmp_path, family, layers, pick):
+    """--steps 0: no data, the truncated target as an HF folder; loads through the loader (as the
+    target's family), through transformers (same logits: HF field and tensor names are right), as
+    a draft model with greedy identity, and through Engine.load(drafter=DIR)."""
+    m = tiny[family]
+    target = m["target"]
+    out = train_model(target, None, tmp_path / "d", TrainConfig(steps=0, layers=layers, pick=pick, **TINY),
+                      **QUIET)
+    assert not (out / DATA_FILE).exists()  # nothing generated for a baseline
+    picked = json.loads((out / "training.json").read_text())["training"]["layers"]
+    assert picked == pick_layers(4, layers, pick)
+    draft, _ = loader.load(out, torch.float32, "cpu")
+    cfg, tcfg = draft.config, target.config
+    assert cfg.family == tcfg.family and cfg.num_layers == layers
+    assert cfg.layer_window == tuple(tcfg.layer_window[i] for i in picked)  # gemma3: sliding, global, sliding
+    assert cfg.layer_rope == tuple(tcfg.layer_rope[i] for i in picked)
+    t_state, d_state = target.state_dict(), draft.state_dict()
+    for name in ("embed_tokens.weight", "norm.weight", "lm_head.weight"):
+        assert torch.equal(d_state[name], t_state[name])
+    for new, old in enumerate(picked):
+        for key, value in d_state.items():
+            if key.startswith(f"layers.{new}."):
+                assert torch.equal(value, t_state[f"layers.{old}." + key.split(".", 2)[2]])
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.tensor(prompts(1, 20))  # longer than gemma3's window of 8
+    with torch.no_grad():
+        ref = hf(ids).logits.log_softmax(-1)
+    mine, _ = draft(ids, torch.arange(20)[None], draft.new_cache(1, 20))
+    assert (mine.log_softmax(-1) - ref).abs().max() < 1e-3
+
+    engine = Engine(target, None, DraftModelDrafter(draft, V), 3)
+    loaded = Engine.load(str(m["folder"]), drafter=str(out), dtype="float32", num_speculative_tokens=3)
+    assert isinstance(loaded.drafter, DraftModelDrafter)
+    for ids in prompts():
+        plain = Engine(target, None).generate(prompt_ids=ids, max_new_tokens=24).token_ids
+        a = engine.generate(prompt_ids=ids, max_new_tokens=24)
+        assert a.token_ids == plain and a.stats.draft_tokens > 0
+        assert loaded.generate(prompt_ids=ids, max_new_tokens=24).token_ids == plain
+
+
+def distill_kl(draft, target, data: DistillData) -> float:
+    """Mean KL(p || q) over the data's positions, on the full vocabulary: p is the target's
+    next-token distribution (its head on the stored features), q the draft's."""
+    total = n = 0.0
+    for tokens, feats in zip(data.tokens, data.features):
+        logq, _ = draft(tokens[None], torch.arange(len(tokens))[None], draft.new_cache(1, len(tokens)))
+        logq = logq[0].log_softmax(-1)
+        logp = target.head(feats).log_softmax(-1)
+        total += float((logp.exp() * (logp - logq)).sum())
+        n += len(tokens)
+    return total / n
+
+
+def acceptance(target, draft, vocab) -> float:
+    engine, plain = Engine(target, None, DraftModelDrafter(draft, vocab), 4), Engine(target, None)
+    drafted = accepted = 0
+    for ids in prompts(4, 6, vocab):
+        out = engine.generate(prompt_ids=ids, max_new_tokens=40)
+        assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=40).token_ids
+        drafted += out.stats.draft_tokens
+        accepted += out.stats.accepted_tokens
+    return accepted / drafted
+
+
+def test_training_lowers_loss_and_raises_acceptance(tmp_path):
+    target = peaky_target()
+    untrained = train_model(target, None, tmp_path / "u", TrainConfig(steps=0, layers=1, **TINY), **QUIET)
+    trained = train_model(target, None, tmp_path / "t", TrainConfig(steps=30, layers=1, **TINY), **QUIET)
+    data = DistillData(**torch.load(trained / DATA_FILE))
+    before, _ = loader.load(untrained, torch.float32, "cpu")
+    after, _ = loader.load(trained, torch.float32, "cpu")
+    assert distill_kl(after, target, data) < 0.5 * distill_kl(before, target, data)
+    # The frozen parts stayed the target's.
+    assert torch.equal(after.embed_tokens.weight, target.embed_tokens.weight)
+    assert torch.equal(after.norm.weight, target.norm.weight)
+    a0, a1 = acceptance(target, before, 48), acceptance(target, after, 48)
+    assert a1 > a0 + 0.15, (a0, a1)
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    """Through the loop the head shares (`fit`): a run stopped at step 5 and resumed writes the
+    same weights as one run of 10 steps."""
+    target = peaky_target(seed=1)
+    cfg = dict(TINY, layers=1, steps=10)
+    train_model(target, None, tmp_path / "a", TrainConfig(**cfg), **QUIET)
+    train_model(target, None, tmp_path / "b", TrainConfig(**cfg, stop_at=5), **QUIET)
+    assert torch.load(tmp_path / "b" / CHECKPOINT_FILE)["step"] == 5
+    train_model(target, None, tmp_path / "b", TrainConfig(**cfg), resume=True, **QUIET)
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=0, rtol=0)
+
+
+def tiny_tokenizer(folder):
+    """A word-level tokenizer over make_tiny_hf's 97 ids, saved into `folder`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, V)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                            pad_token="<pad>").save_pretrained(str(folder))
+
+
+def test_cli_train_draft_model_then_generate(tiny, tmp_path, monkeypatch, capsys):
+    """`specdec train-draft --kind model` on a target with a tokenizer, resumed, then
+    `specdec generate --drafter OUT --compare`: the tokenizer files travel with the draft."""
+    import shutil
+
+    import specdec.train
+
+    folder = tmp_path / "target"
+    shutil.copytree(tiny["llama"]["folder"], folder)
+    tiny_tokenizer(folder)
+    # Seeds from a few words instead of scanning the standard library (seconds of parsing).
+    monkeypatch.setattr(specdec.train, "local_texts",
+                        lambda: ([], [" ".join(f"w{(i * 7 + j) % 90 + 3}" for j in range(40)) for i in range(20)]))
+    out = tmp_path / "draft"
+    base = ["train-draft", "--kind", "model", "--target", str(folder), "--out", str(out), "--layers", "2",
+            "--num-seeds", "6", "--gen-tokens", "10", "--gen-batch", "3", "--batch-tokens", "40",
+            "--draft-vocab", "50", "--checkpoint-every", "1"]
+    assert main(base + ["--steps", "2"]) == 0
+    assert main(base + ["--steps", "3", "--resume"]) == 0
+    assert "resuming at step 2" in capsys.readouterr().out
+    assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+    assert json.loads((out / "training.json").read_text())["training"]["steps_done"] == 3
+    assert main(["generate", "--model", str(folder), "--drafter", str(out), "--prompt", "w5 w9 w11 w40",
+                 "--max-tokens", "12", "-k", "3", "--dtype", "float32", "--compare", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["identical"] and result["speculative"]["stats"]["draft_tokens"] > 0
