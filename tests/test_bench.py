@@ -27,7 +27,8 @@ def test_parse_configs_fills_defaults_and_keeps_labels():
                                       "hf-lookup", "hf:dtype=bf16"]
     plain, ngram, suffix, draft, lookup, hf = got
     assert not plain.speculative and plain.k is None and plain.family == "specdec"
-    assert ngram.k == 8 and ngram.adaptive and ngram.speculative
+    assert ngram.k == 8 and ngram.adaptive and ngram.speculative and ngram.draft_length == "adaptive"
+    assert suffix.draft_length is None and C.parse_config("ngram:k=8:fixed").draft_length == "fixed"
     assert suffix.options == {"k": 5, "max_ngram": 5}
     assert draft.options["model"] == "/some/draft" and draft.k == 4
     assert lookup.options == {"k": 10, "n": 2} and lookup.family == "hf"
@@ -43,6 +44,7 @@ def test_parse_configs_fills_defaults_and_keeps_labels():
     ("ngram:k=five", "not a valid int"),
     ("ngram:k=0", "k must be >= 1"),
     ("ngram:adaptive=no", "is a flag"),
+    ("ngram:adaptive:cost", "one of fixed, adaptive and cost"),
     ("plain:dtype=float64", "dtype must be one of"),
     ("ngram:quantize=int4", "quantize must be one of"),
     ("ngram:min_ngram=4", "min_ngram <= max_ngram"),

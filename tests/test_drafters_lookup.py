@@ -1,4 +1,4 @@
-"""Lookup drafters (prompt lookup, suffix cache) and the adaptive draft length."""
+"""Lookup drafters (prompt lookup, suffix cache) and the two adaptive draft-length rules."""
 
 import random
 import time
@@ -8,6 +8,7 @@ import torch
 
 from specdec.drafters import (
     AdaptiveDraftLength,
+    CostAwareDraftLength,
     Drafter,
     NgramDrafter,
     Proposal,
@@ -268,3 +269,56 @@ def test_adaptive_draft_length_invalid():
         AdaptiveDraftLength(k=5, k_max=4)
     with pytest.raises(ValueError):
         AdaptiveDraftLength(k=2, k_max=4).update(2, 3)
+
+
+# -- CostAwareDraftLength --------------------------------------------------------------------------
+
+
+def expected_speedup(a: float, k: int, c: float) -> float:
+    """Leviathan et al.'s expected tokens per unit of cost, written out as a sum."""
+    return sum(a**i for i in range(k + 1)) / (1 + c * k)
+
+
+@pytest.mark.parametrize("c", [0.03, 0.2, 0.5])
+def test_cost_aware_length_maximises_the_expected_speedup(c):
+    rule = CostAwareDraftLength(k_max=12, verify_cost=c)
+    rng = random.Random(0)
+    for _ in range(200):
+        proposed = rng.randint(1, 12)
+        rule.update(proposed, rng.randint(0, proposed), source=rng.choice([1, 2, 3]))
+    for source in (1, 2, 3, "never seen"):
+        a = rule.acceptance(source)
+        best = max(range(13), key=lambda k: (expected_speedup(a, k, c), -k))
+        assert rule.next_k(source) == best
+
+
+def test_cost_aware_length_follows_each_kind():
+    rule = CostAwareDraftLength(k_max=8, verify_cost=0.2)
+    first = rule.next_k(4)
+    assert 1 <= first < 8  # a new kind starts from the prior: a short draft
+    for _ in range(20):
+        rule.update(8, 8, source=4)  # long matches: everything accepted
+        rule.update(5, 0, source=1)  # one-token matches: nothing accepted
+    assert rule.next_k(4) == 8
+    assert rule.next_k(1) == 0  # acceptance below the cost of a token: do a plain step
+    assert rule.acceptance(1) < 0.2 < 0.9 < rule.acceptance(4)
+    rule.update(0, 0, source=2)  # nothing proposed: no information
+    assert rule.next_k(2) == rule.next_k("unseen")
+
+
+def test_cost_aware_length_invalid():
+    with pytest.raises(InvalidRequestError):
+        CostAwareDraftLength(k_max=0, verify_cost=0.2)
+    with pytest.raises(InvalidRequestError):
+        CostAwareDraftLength(k_max=4, verify_cost=0)
+    with pytest.raises(ValueError):
+        CostAwareDraftLength(k_max=4, verify_cost=0.2).update(2, 3)
+
+
+def test_lookup_proposals_name_their_match_length():
+    context = [5, 6, 7, 8, 1, 2, 9, 5, 6, 7]
+    assert NgramDrafter(max_ngram=3).propose(context, 4) == Proposal([8, 1, 2, 9], source=3)
+    assert NgramDrafter(max_ngram=3).propose([1, 2, 3, 1], 2).source == 1
+    suffix = SuffixDrafter(max_ngram=3)
+    suffix.begin(context)
+    assert suffix.propose(context, 2).source == 3

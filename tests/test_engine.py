@@ -25,7 +25,7 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("make", [NgramDrafter, SuffixDrafter])
-@pytest.mark.parametrize("k,length", [(1, "fixed"), (3, "fixed"), (8, "fixed"), (3, "adaptive")])
+@pytest.mark.parametrize("k,length", [(1, "fixed"), (3, "fixed"), (8, "fixed"), (3, "adaptive"), (8, "cost")])
 def test_tiny_greedy_identity(tiny, make, k, length):
     plain = Engine(tiny, None)
     spec = Engine(tiny, None, make(), k, length)
@@ -62,8 +62,9 @@ def test_stop_string_ends_output_like_plain(default_engine_fp32):
     assert a.token_ids == b.token_ids
 
 
-def test_seeded_sampling_reproducible(tiny):
-    engine = Engine(tiny, None, NgramDrafter(), 4)
+@pytest.mark.parametrize("length", ["fixed", "cost"])
+def test_seeded_sampling_reproducible(tiny, length):
+    engine = Engine(tiny, None, NgramDrafter(), 4, length)
     sp = SamplingParams(temperature=0.9, top_p=0.9, seed=7)
     ids = list(range(10)) * 2
     a = engine.generate(prompt_ids=ids, max_new_tokens=30, sampling=sp)
@@ -98,6 +99,7 @@ def run_cli(*args):
     (["--prompt", "hi", "--model", "/no/such/model.gguf"], "not found"),
     (["--prompt", "hi", "--drafter", "nonsense"], "drafter"),
     (["--prompt", "hi", "--max-tokens", "40000"], "context"),
+    (["--prompt", "hi", "--draft-length", "cost", "--verify-cost", "-1"], "verify_cost"),
 ])
 def test_cli_errors_are_one_line(args, needle):
     res = run_cli("generate", *args)

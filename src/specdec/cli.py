@@ -29,8 +29,16 @@ def _parser() -> argparse.ArgumentParser:
                      help="int8: int8 weights for every linear and the output head, activations on two "
                           "7-bit planes per row (CPU, fbgemm); changes the target, plain and "
                           "speculative then share it")
-    gen.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
-    gen.add_argument("--draft-length", default="fixed", choices=["fixed", "adaptive"])
+    gen.add_argument("-k", "--num-speculative-tokens", type=int, default=5,
+                     help="draft tokens per step (the most, with --draft-length cost)")
+    gen.add_argument("--draft-length", default=None, choices=["fixed", "adaptive", "cost"],
+                     help="cost (default): per kind of proposal (n-gram match length), the length up to k "
+                          "with the best expected speedup for the acceptance measured so far and "
+                          "--verify-cost; fixed: k tokens a step; adaptive: +2 after a fully accepted "
+                          "step, -1 otherwise")
+    gen.add_argument("--verify-cost", type=float, default=None,
+                     help="with --draft-length cost: the cost of one more token in a verify pass relative "
+                          "to a one-token pass (default 0.2 on CPU, 0.03 on CUDA)")
     gen.add_argument("--tree", metavar="DEPTHxTOPKxBUDGET", default=None,
                      help="draft token trees instead of chains (eagle, ngram): DEPTH levels, up to TOPK "
                           "candidates per node, at most BUDGET nodes scored in one target pass, e.g. 4x3x12; "
@@ -109,7 +117,7 @@ def _generate(args) -> int:
     print("specdec: loading the model...", file=sys.stderr)
     engine = Engine.load(args.model, args.drafter, args.num_speculative_tokens, args.device, args.dtype,
                          args.draft_length, progress=_progress, draft_p_min=args.draft_p_min, quantize=args.quantize,
-                         draft_tree=args.tree)
+                         draft_tree=args.tree, verify_cost=args.verify_cost)
     kwargs = dict(prompt=args.prompt, prompt_ids=prompt_ids, max_new_tokens=args.max_tokens, sampling=sampling,
                   stop=args.stop)
     if args.compare:

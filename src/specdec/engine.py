@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .drafters import AdaptiveDraftLength, NgramDrafter, SuffixDrafter
+from .drafters import AdaptiveDraftLength, CostAwareDraftLength, NgramDrafter, SuffixDrafter
 from .drafters.base import Drafter, Proposal, TreeDrafter, TreeShape
 from .drafters.eagle import eagle_head_path, is_eagle_name, make_eagle_drafter
 from .errors import InvalidRequestError, SpecdecError
@@ -110,6 +110,29 @@ def _no_trees(name: str) -> InvalidRequestError:
     return InvalidRequestError(f"drafter {name!r} cannot propose draft trees; eagle and ngram can", "draft_tree")
 
 
+DRAFT_LENGTHS = ("fixed", "adaptive", "cost")
+# `verify_cost` defaults: one more scored token in a verify pass, relative to a one-token pass. On
+# the 2-core AVX2 CPU a 6-token pass of the default model costs ~1.9-2 one-token passes in float32
+# and int8 alike (BENCHMARKS.md); on a GPU a pass of a few tokens costs about one.
+DEFAULT_VERIFY_COST = {"cpu": 0.2, "cuda": 0.03}
+
+
+def default_draft_length(draft_length: str | None, tree) -> str:
+    """None means the measured best: "cost" for chains (BENCHMARKS.md: 1.64x against 1.47x for a
+    fixed k = 5 with prompt lookup on a 2-core CPU); a tree has a fixed shape."""
+    if draft_length is not None:
+        return draft_length
+    return "fixed" if tree is not None else "cost"
+
+
+def check_draft_length(draft_length: str, verify_cost: float | None) -> None:
+    if draft_length not in DRAFT_LENGTHS:
+        raise InvalidRequestError(f"draft_length must be one of {', '.join(DRAFT_LENGTHS)}; got {draft_length!r}",
+                                  "draft_length")
+    if verify_cost is not None and not (isinstance(verify_cost, (int, float)) and 0 < verify_cost <= 10):
+        raise InvalidRequestError(f"verify_cost must be a number in (0, 10], got {verify_cost!r}", "verify_cost")
+
+
 @dataclass
 class Stats:
     prompt_tokens: int = 0
@@ -202,10 +225,12 @@ class _Output:
 class Engine:
     """Speculative decoding of one request at a time.
 
-    The drafter proposes a chain of `num_speculative_tokens` tokens per step (`draft_length`
-    "adaptive": the +2/-1 rule moves that length), or, with `draft_tree` (a `TreeShape` or its
-    `DEPTHxTOPKxBUDGET` string), a token tree from its `propose_tree`: several candidates per
-    position, all scored in the same single target pass.
+    The drafter proposes a chain of up to `num_speculative_tokens` tokens per step: `draft_length`
+    "cost" (the default for chains) picks, per kind of proposal, the length with the best expected
+    speedup for the acceptance measured so far and `verify_cost` (see `CostAwareDraftLength`);
+    "fixed" always asks for k; "adaptive" moves k by the +2/-1 rule. Or, with `draft_tree` (a
+    `TreeShape` or its `DEPTHxTOPKxBUDGET` string), a token tree from its `propose_tree`: several
+    candidates per position, all scored in the same single target pass.
     """
 
     def __init__(
@@ -214,26 +239,28 @@ class Engine:
         tokenizer: Tokenizer | None,
         drafter: Drafter | None = None,
         num_speculative_tokens: int = 5,
-        draft_length: str = "fixed",
+        draft_length: str | None = None,
         draft_tree: TreeShape | str | None = None,
+        verify_cost: float | None = None,
     ):
         if num_speculative_tokens < 1:
             raise InvalidRequestError("num_speculative_tokens must be >= 1", "num_speculative_tokens")
-        if draft_length not in ("fixed", "adaptive"):
-            raise InvalidRequestError("draft_length must be 'fixed' or 'adaptive'", "draft_length")
         tree = TreeShape.parse(draft_tree) if isinstance(draft_tree, str) else draft_tree
+        draft_length = default_draft_length(draft_length, tree)
+        check_draft_length(draft_length, verify_cost)
         if tree is not None:
             if not isinstance(drafter, TreeDrafter):
                 raise _no_trees(getattr(drafter, "name", "none") if drafter is not None else "none")
             if draft_length != "fixed":
-                raise InvalidRequestError("draft_length 'adaptive' moves a chain's length; a draft tree has "
-                                          "a fixed shape", "draft_length")
+                raise InvalidRequestError(f"draft_length {draft_length!r} moves a chain's length; a draft tree "
+                                          "has a fixed shape", "draft_length")
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.k = num_speculative_tokens
         self.draft_length = draft_length
         self.draft_tree: TreeShape | None = tree
+        self.verify_cost = verify_cost
 
     @classmethod
     def load(
@@ -243,11 +270,12 @@ class Engine:
         num_speculative_tokens: int = 5,
         device: str = "cpu",
         dtype: str = "auto",
-        draft_length: str = "fixed",
+        draft_length: str | None = None,
         progress=None,
         draft_p_min: float | None = None,
         quantize: str = "none",
         draft_tree: TreeShape | str | None = None,
+        verify_cost: float | None = None,
     ) -> "Engine":
         """Load a target (and drafter) ready to generate.
 
@@ -263,6 +291,8 @@ class Engine:
         device = resolve_device(device)
         if isinstance(draft_tree, str):
             draft_tree = TreeShape.parse(draft_tree)  # a malformed shape fails before the load
+        draft_length = default_draft_length(draft_length, draft_tree)
+        check_draft_length(draft_length, verify_cost)
         torch_dtype = resolve_dtype(dtype, device)
         if quantize not in QUANT_MODES:
             raise InvalidRequestError(f"unknown quantize {quantize!r}; choose {' or '.join(QUANT_MODES)}", "quantize")
@@ -279,7 +309,7 @@ class Engine:
         tokenizer = Tokenizer.from_folder(folder)
         if draft_path:
             made = make_drafter(drafter, model, tokenizer, draft_p_min, progress)
-        return cls(model, tokenizer, made, num_speculative_tokens, draft_length, draft_tree)
+        return cls(model, tokenizer, made, num_speculative_tokens, draft_length, draft_tree, verify_cost)
 
     @property
     def device(self) -> torch.device:
@@ -314,7 +344,7 @@ class Engine:
         out = _Output(self.tokenizer, cfg.eos_token_ids, stop, max_new_tokens)
         steps: list[Step] = []
         emit = on_text or (lambda delta: None)
-        length = AdaptiveDraftLength(self.k, max(self.k, 16)) if self.draft_length == "adaptive" else None
+        length = self._draft_length_rule()
 
         start = time.perf_counter()
         # Room for the longest verify block: the lead token + k chain drafts or `budget` tree nodes.
@@ -338,7 +368,7 @@ class Engine:
         while out.finish_reason is None:
             context = ids + out.ids
             # Never draft past the token allowance: those tokens could not be emitted.
-            tree, q = self._draft(drafter, context, max_new_tokens - len(out.ids), length)
+            tree, q, source = self._draft(drafter, context, max_new_tokens - len(out.ids), length)
             # The last emitted token is not in the cache yet: it leads the verify block (the tree's
             # root, block position 0; node i is block position i + 1, at its depth's position).
             base = len(context) - 1
@@ -363,7 +393,7 @@ class Engine:
                     observe(hidden[0, keep])  # lead token + accepted path, in order
                 drafter.feedback(verdict.num_accepted)
             if length is not None and len(tree):
-                length.update(len(tree), verdict.num_accepted)
+                length.update(len(tree), verdict.num_accepted, source)
             steps.append(Step(list(verdict.accepted), verdict.next_token, verdict.kind, len(tree)))
             for token in verdict.tokens:
                 emit(out.push(token))
@@ -408,23 +438,44 @@ class Engine:
         q = None if proposal.q is None else proposal.q[: len(draft)]
         return verify_sampling(process_logits(logits, sampling), q, draft, generator)
 
-    def _draft(self, drafter, context: list[int], allowance: int, length) -> tuple[TokenTree, torch.Tensor | None]:
-        """This step's drafts as a tree (a chain is a path) and their q ([nodes, vocab] or None).
+    def _draft_length_rule(self) -> AdaptiveDraftLength | CostAwareDraftLength | None:
+        """This request's draft-length rule (fresh per request, so a seeded request reproduces)."""
+        if self.draft_length == "adaptive":
+            return AdaptiveDraftLength(self.k, max(self.k, 16))
+        if self.draft_length == "cost":
+            cost = self.verify_cost or DEFAULT_VERIFY_COST["cuda" if self.device.type == "cuda" else "cpu"]
+            return CostAwareDraftLength(self.k, cost)
+        return None
+
+    def _draft(self, drafter, context: list[int], allowance: int, length):
+        """This step's drafts as a tree (a chain is a path), their q ([nodes, vocab] or None) and
+        the proposal's `source` (what kind of guess it is, for the draft-length rule).
 
         Tree candidates are deterministic given the context (`TreeDrafter.propose_tree`), so a
         tree carries no q: verification treats each node as one-hot, which is exact.
         """
         if drafter is None:
-            return TokenTree([], []), None
+            return TokenTree([], []), None, None
         if self.draft_tree is not None:
             shape = self.draft_tree
             tree = drafter.propose_tree(context, min(shape.depth, allowance), shape.top_k, shape.budget)
             if len(tree) > shape.budget:
                 raise ValueError(f"{drafter.name} proposed {len(tree)} tree nodes, over the budget of {shape.budget}")
-            return tree, None
-        k = min(length.next_k() if length else self.k, allowance)
+            return tree, None, None
+        if length is None:
+            k = self.k
+        elif getattr(drafter, "labels_proposals", False):
+            # A lookup's kind is known once it is found, and looking up is free: ask for the most
+            # the rule may keep, then keep what it wants for that kind.
+            k = length.k_max
+        else:
+            k = max(1, length.next_k())  # a model drafter drafts at least one token
+        k = min(k, allowance)
         proposal = drafter.propose(context, k)
-        return TokenTree.chain(proposal.tokens[:k]), None if proposal.q is None else proposal.q[:k]
+        if length is not None:
+            k = min(k, length.next_k(proposal.source))
+        q = None if proposal.q is None else proposal.q[:k]
+        return TokenTree.chain(proposal.tokens[:k]), q, proposal.source
 
     @staticmethod
     def _verify_tree(logits, tree: TokenTree, q, sampling, generator) -> TreeVerdict:

@@ -5,6 +5,8 @@ An option is `key=value` or a bare flag (`adaptive`). Examples::
     plain                      specdec, no drafter
     ngram:k=5                  prompt lookup, 5 draft tokens per step
     ngram:k=8:adaptive         ... with the +2/-1 adaptive draft length starting at 8
+    ngram:k=8:fixed            ... always 8 (without a flag: the engine's default, the cost-aware
+                               draft length, per match length and at most k)
     suffix:k=5                 suffix cache (learns across the requests of the run)
     draft:model=PATH:k=4       a draft model (or give --draft-model PATH once)
     eagle:k=5                  the shipped EAGLE head (eagle:head=DIR for another one)
@@ -32,13 +34,13 @@ DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 QUANTIZE_NAMES = ("none", "int8")
 KINDS: dict[str, tuple[str, dict[str, object]]] = {
     "plain": ("specdec", {"dtype": _DTYPE, "quantize": str}),
-    "ngram": ("specdec", {"k": int, "adaptive": "flag", "max_ngram": int, "min_ngram": int,
+    "ngram": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "max_ngram": int, "min_ngram": int,
                           "dtype": _DTYPE, "quantize": str}),
-    "suffix": ("specdec", {"k": int, "adaptive": "flag", "max_ngram": int, "min_ngram": int,
+    "suffix": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "max_ngram": int, "min_ngram": int,
                            "dtype": _DTYPE, "quantize": str}),
-    "draft": ("specdec", {"k": int, "adaptive": "flag", "model": str, "p_min": float,
+    "draft": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "model": str, "p_min": float,
                           "dtype": _DTYPE, "quantize": str}),
-    "eagle": ("specdec", {"k": int, "adaptive": "flag", "head": str, "p_min": float,
+    "eagle": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "head": str, "p_min": float,
                           "dtype": _DTYPE, "quantize": str}),
     "hf": ("hf", {"dtype": _DTYPE}),
     "hf-lookup": ("hf", {"k": int, "n": int, "dtype": _DTYPE}),
@@ -83,6 +85,11 @@ class BenchConfig:
     def adaptive(self) -> bool:
         return bool(self.options.get("adaptive"))
 
+    @property
+    def draft_length(self) -> str:
+        """Engine's draft_length: fixed, adaptive (+2/-1), cost, or None for the engine's default."""
+        return next((name for name in ("fixed", "adaptive", "cost") if self.options.get(name)), None)
+
 
 def parse_configs(text: str, draft_model: str | None = None) -> list[BenchConfig]:
     """Parse a `--configs` list. `draft_model` fills `model=` of draft / hf-assist when left out."""
@@ -126,6 +133,8 @@ def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
         if not eq or not value.strip():
             raise InvalidRequestError(f"{item!r}: option {key} needs a value ({key}=...)", "configs")
         options[key] = _convert(item, key, value.strip(), kind_of)
+    if sum(bool(options.get(name)) for name in ("fixed", "adaptive", "cost")) > 1:
+        raise InvalidRequestError(f"{item!r}: choose one of fixed, adaptive and cost", "configs")
     if kind in ("draft", "hf-assist"):
         options.setdefault("model", draft_model)
         if not options["model"]:

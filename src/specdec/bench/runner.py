@@ -215,8 +215,7 @@ class SpecdecRunner:
 
         inner = self.make_drafter()
         self.drafter = TimedDrafter(inner) if inner is not None else None
-        self.engine = Engine(self.model, self.tokenizer, self.drafter, self.config.k or 5,
-                             "adaptive" if self.config.adaptive else "fixed")
+        self.engine = Engine(self.model, self.tokenizer, self.drafter, self.config.k or 5, self.config.draft_length)
 
     def generate(self, ids: tuple[int, ...], max_new: int) -> Run:
         from ..sampling import SamplingParams

@@ -8,13 +8,21 @@ One drafter a file:
 - `eagle.EagleDrafter`: a one-layer head over the target's own features (chains or trees).
 """
 
-from specdec.drafters.base import AdaptiveDraftLength, Drafter, Proposal, TreeDrafter, TreeShape
+from specdec.drafters.base import (
+    AdaptiveDraftLength,
+    CostAwareDraftLength,
+    Drafter,
+    Proposal,
+    TreeDrafter,
+    TreeShape,
+)
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixDrafter
 
 __all__ = [
     "AdaptiveDraftLength",
+    "CostAwareDraftLength",
     "DraftModelDrafter",
     "Drafter",
     "NgramDrafter",

@@ -33,6 +33,7 @@ class NgramDrafter:
     """
 
     name = "ngram"
+    labels_proposals = True  # Proposal.source = the length of the n-gram the draft follows
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         check_ngram_range(min_ngram, max_ngram)
@@ -60,7 +61,7 @@ class NgramDrafter:
             if ends is not None:
                 start = ends[-1]  # the most recent occurrence
                 # start < L by construction of the index; the slice stops at the context's end
-                return Proposal(self._tokens[start : min(start + k, L)])
+                return Proposal(self._tokens[start : min(start + k, L)], source=n)
         return Proposal([])
 
     def propose_tree(self, context: list[int], depth: int = 5, top_k: int = 4, budget: int = 24) -> TokenTree:

@@ -44,6 +44,7 @@ class SuffixDrafter:
     """Frequency-based lookup drafter with statistics shared across requests (see module doc)."""
 
     name = "suffix"
+    labels_proposals = True  # Proposal.source = the length of the n-gram the draft follows
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_entries: int = 200_000):
         check_ngram_range(min_ngram, max_ngram)
@@ -78,15 +79,17 @@ class SuffixDrafter:
         # Only the last max_ngram tokens matter for lookup; drafted tokens extend this tail.
         tail = list(context[-self.max_ngram :])
         drafted: list[int] = []
+        source = None  # the length of the suffix the first draft followed (`Proposal.source`)
         while len(drafted) < k:
-            token = self._most_frequent_next(tail)
+            token, n = self._most_frequent_next(tail)
             if token is None:
                 break
+            source = n if source is None else source
             drafted.append(token)
             tail.append(token)
             if len(tail) > self.max_ngram:
                 del tail[0]
-        return Proposal(drafted)
+        return Proposal(drafted, source=source)
 
     def feedback(self, num_accepted: int) -> None:
         # Statistics come from emitted text only (seen at the next propose / end), never from
@@ -127,8 +130,9 @@ class SuffixDrafter:
             counts.move_to_end(ctx)
         followers[nxt] = followers.pop(nxt, 0) + 1  # re-insert: the most recent is last
 
-    def _most_frequent_next(self, tail: list[int]) -> int | None:
-        """Most frequent follower of the longest suffix of `tail` with counts, or None."""
+    def _most_frequent_next(self, tail: list[int]) -> tuple[int | None, int]:
+        """(most frequent follower of the longest suffix of `tail` with counts, that suffix's
+        length), or (None, 0)."""
         for n in range(min(self.max_ngram, len(tail)), self.min_ngram - 1, -1):
             ctx = tuple(tail[len(tail) - n :])
             followers = self._counts.get(ctx)
@@ -139,5 +143,5 @@ class SuffixDrafter:
             for token, c in followers.items():  # oldest to newest: `>=` lets the newest win ties
                 if c >= best_count:
                     best, best_count = token, c
-            return best
-        return None
+            return best, n
+        return None, 0
