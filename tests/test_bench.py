@@ -45,6 +45,8 @@ def test_parse_configs_fills_defaults_and_keeps_labels():
     ("ngram:k=0", "k must be >= 1"),
     ("ngram:adaptive=no", "is a flag"),
     ("ngram:adaptive:cost", "one of fixed, adaptive and cost"),
+    ("ngram:tree=3x2", "DEPTHxTOPKxBUDGET"),
+    ("eagle:tree=3x2x6:adaptive", "fixed shape"),
     ("plain:dtype=float64", "dtype must be one of"),
     ("ngram:quantize=int4", "quantize must be one of"),
     ("ngram:min_ngram=4", "min_ngram <= max_ngram"),
@@ -236,14 +238,14 @@ def test_end_to_end_on_a_tiny_model(tiny, capsys, monkeypatch):
     tmp, folder, prompts = tiny
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as when llama-cpp-python is not installed
     out_json, out_md, out_png = tmp / "r.json", tmp / "r.md", tmp / "r.png"
-    configs = "ngram:k=3,suffix:k=3,hf,hf-lookup:k=3,llama-cpp"
+    configs = "ngram:k=3,suffix:k=3,ngram:tree=3x2x6,hf,hf-lookup:k=3,llama-cpp"
     code = main(["bench", "--model", str(folder), "--configs", configs, "--tasks", "none", "--prompts", str(prompts),
                  "--max-tokens", "12", "--repeats", "2", "--json", str(out_json), "--markdown", str(out_md),
                  "--plot", str(out_png)])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     data = json.loads(out_json.read_text())
-    labels = ["plain", "ngram:k=3", "suffix:k=3", "hf", "hf-lookup:k=3"]  # plain added, llama-cpp skipped
+    labels = ["plain", "ngram:k=3", "suffix:k=3", "ngram:tree=3x2x6", "hf", "hf-lookup:k=3"]  # + plain, - llama-cpp
     assert [c["label"] for c in data["configs"]] == labels
     assert "llama-cpp" in data["skipped"] and "not installed" in data["skipped"]["llama-cpp"]
     # Interleaved: repeat by repeat, prompt by prompt, every configuration in turn.
@@ -254,7 +256,7 @@ def test_end_to_end_on_a_tiny_model(tiny, capsys, monkeypatch):
         if r["config"] != "plain":
             # Greedy float32: speculation is lossless, and HF runs the same weights.
             assert r["identical"] is True, r
-    spec = [r for r in data["runs"] if r["config"] in ("ngram:k=3", "suffix:k=3")]
+    spec = [r for r in data["runs"] if r["config"] in ("ngram:k=3", "suffix:k=3", "ngram:tree=3x2x6")]
     assert all(r["target_forwards"] <= r["new_tokens"] for r in spec)
     assert sum(r["draft_tokens"] for r in spec) > 0 and all(r["draft_s"] > 0 for r in spec)
     assert all(r["peak_memory"] > 10 * 2**20 for r in data["runs"])
@@ -263,7 +265,7 @@ def test_end_to_end_on_a_tiny_model(tiny, capsys, monkeypatch):
     ngram = summary[("ngram:k=3", "all")]
     assert ngram["alpha"] is not None and ngram["bound"] >= 1.0 - 1e-9 and ngram["speedup"] > 0
     assert summary[("plain", "all")]["speedup"] == pytest.approx(1.0)
-    assert data["headline"]["best"] in ("plain", "ngram:k=3", "suffix:k=3")
+    assert data["headline"]["best"] in ("plain", "ngram:k=3", "suffix:k=3", "ngram:tree=3x2x6")
     assert set(data["headline"]["vs_peers"]) == {"hf", "hf-lookup:k=3"}
     assert data["command"].startswith("specdec bench --model ") and "--repeats 2" in data["command"]
     # Markdown: on stdout and in the file, one row per configuration; the skip is explained.

@@ -5,6 +5,7 @@ An option is `key=value` or a bare flag (`adaptive`). Examples::
     plain                      specdec, no drafter
     ngram:k=5                  prompt lookup, 5 draft tokens per step
     ngram:k=8:adaptive         ... with the +2/-1 adaptive draft length starting at 8
+    ngram:tree=4x3x12          ... drafting token trees (DEPTHxTOPKxBUDGET; ngram and eagle)
     ngram:k=8:fixed            ... always 8 (without a flag: the engine's default, the cost-aware
                                draft length, per match length and at most k)
     suffix:k=5                 suffix cache (learns across the requests of the run)
@@ -34,13 +35,14 @@ DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 QUANTIZE_NAMES = ("none", "int8")
 KINDS: dict[str, tuple[str, dict[str, object]]] = {
     "plain": ("specdec", {"dtype": _DTYPE, "quantize": str}),
-    "ngram": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "max_ngram": int, "min_ngram": int,
+    "ngram": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str,
+                          "max_ngram": int, "min_ngram": int,
                           "dtype": _DTYPE, "quantize": str}),
     "suffix": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "max_ngram": int, "min_ngram": int,
                            "dtype": _DTYPE, "quantize": str}),
     "draft": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "model": str, "p_min": float,
                           "dtype": _DTYPE, "quantize": str}),
-    "eagle": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "head": str, "p_min": float,
+    "eagle": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str, "head": str, "p_min": float,
                           "dtype": _DTYPE, "quantize": str}),
     "hf": ("hf", {"dtype": _DTYPE}),
     "hf-lookup": ("hf", {"k": int, "n": int, "dtype": _DTYPE}),
@@ -135,6 +137,15 @@ def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
         options[key] = _convert(item, key, value.strip(), kind_of)
     if sum(bool(options.get(name)) for name in ("fixed", "adaptive", "cost")) > 1:
         raise InvalidRequestError(f"{item!r}: choose one of fixed, adaptive and cost", "configs")
+    if "tree" in options:
+        from ..drafters.base import TreeShape
+
+        try:
+            TreeShape.parse(options["tree"])
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{item!r}: {exc}", "configs") from None
+        if options.get("adaptive") or options.get("cost"):
+            raise InvalidRequestError(f"{item!r}: a tree has a fixed shape; drop adaptive / cost", "configs")
     if kind in ("draft", "hf-assist"):
         options.setdefault("model", draft_model)
         if not options["model"]:

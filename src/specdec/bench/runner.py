@@ -177,6 +177,12 @@ class TimedDrafter:
         self.seconds += time.perf_counter() - start
         return proposal
 
+    def propose_tree(self, context: list[int], *shape):
+        start = time.perf_counter()
+        tree = self.inner.propose_tree(context, *shape)
+        self.seconds += time.perf_counter() - start
+        return tree
+
     def feedback(self, num_accepted: int) -> None:
         self.inner.feedback(num_accepted)
 
@@ -215,7 +221,8 @@ class SpecdecRunner:
 
         inner = self.make_drafter()
         self.drafter = TimedDrafter(inner) if inner is not None else None
-        self.engine = Engine(self.model, self.tokenizer, self.drafter, self.config.k or 5, self.config.draft_length)
+        self.engine = Engine(self.model, self.tokenizer, self.drafter, self.config.k or 5, self.config.draft_length,
+                             self.config.options.get("tree"))
 
     def generate(self, ids: tuple[int, ...], max_new: int) -> Run:
         from ..sampling import SamplingParams
