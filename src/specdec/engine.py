@@ -118,8 +118,9 @@ DEFAULT_VERIFY_COST = {"cpu": 0.2, "cuda": 0.03}
 
 
 def default_draft_length(draft_length: str | None, tree) -> str:
-    """None means the measured best: "cost" for chains (BENCHMARKS.md: 1.64x against 1.47x for a
-    fixed k = 5 with prompt lookup on a 2-core CPU); a tree has a fixed shape."""
+    """None means the measured best: "cost" for chains (BENCHMARKS.md, Spec-Bench mix on the int8
+    target, 2-core CPU: prompt lookup 1.70x plain with it, 1.63x with a fixed k = 5); a tree has a
+    fixed shape."""
     if draft_length is not None:
         return draft_length
     return "fixed" if tree is not None else "cost"
