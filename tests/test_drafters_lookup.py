@@ -274,21 +274,21 @@ def test_adaptive_draft_length_invalid():
 # -- CostAwareDraftLength --------------------------------------------------------------------------
 
 
-def expected_speedup(a: float, k: int, c: float) -> float:
+def expected_speedup(a: float, k: int, c: float, c0: float) -> float:
     """Leviathan et al.'s expected tokens per unit of cost, written out as a sum."""
-    return sum(a**i for i in range(k + 1)) / (1 + c * k)
+    return sum(a**i for i in range(k + 1)) / (1 + (c0 + c * k if k else 0))
 
 
-@pytest.mark.parametrize("c", [0.03, 0.2, 0.5])
-def test_cost_aware_length_maximises_the_expected_speedup(c):
-    rule = CostAwareDraftLength(k_max=12, verify_cost=c)
+@pytest.mark.parametrize("c,c0", [(0.03, 0.0), (0.2, 0.0), (0.5, 0.0), (0.14, 0.5)])
+def test_cost_aware_length_maximises_the_expected_speedup(c, c0):
+    rule = CostAwareDraftLength(k_max=12, verify_cost=c, verify_overhead=c0)
     rng = random.Random(0)
     for _ in range(200):
         proposed = rng.randint(1, 12)
         rule.update(proposed, rng.randint(0, proposed), source=rng.choice([1, 2, 3]))
     for source in (1, 2, 3, "never seen"):
         a = rule.acceptance(source)
-        best = max(range(13), key=lambda k: (expected_speedup(a, k, c), -k))
+        best = max(range(13), key=lambda k: (expected_speedup(a, k, c, c0), -k))
         assert rule.next_k(source) == best
 
 
@@ -311,6 +311,8 @@ def test_cost_aware_length_invalid():
         CostAwareDraftLength(k_max=0, verify_cost=0.2)
     with pytest.raises(InvalidRequestError):
         CostAwareDraftLength(k_max=4, verify_cost=0)
+    with pytest.raises(InvalidRequestError):
+        CostAwareDraftLength(k_max=4, verify_cost=0.2, verify_overhead=-1)
     with pytest.raises(ValueError):
         CostAwareDraftLength(k_max=4, verify_cost=0.2).update(2, 3)
 

@@ -100,6 +100,7 @@ def run_cli(*args):
     (["--prompt", "hi", "--drafter", "nonsense"], "drafter"),
     (["--prompt", "hi", "--max-tokens", "40000"], "context"),
     (["--prompt", "hi", "--draft-length", "cost", "--verify-cost", "-1"], "verify_cost"),
+    (["--prompt", "hi", "--verify-overhead", "-1"], "verify_overhead"),
 ])
 def test_cli_errors_are_one_line(args, needle):
     res = run_cli("generate", *args)

@@ -37,8 +37,10 @@ def _parser() -> argparse.ArgumentParser:
                           "--verify-cost; fixed: k tokens a step; adaptive: +2 after a fully accepted "
                           "step, -1 otherwise")
     gen.add_argument("--verify-cost", type=float, default=None,
-                     help="with --draft-length cost: the cost of one more token in a verify pass relative "
-                          "to a one-token pass (default 0.2 on CPU, 0.03 on CUDA)")
+                     help="with --draft-length cost: a verify pass over k drafts costs 1 + OVERHEAD + COST*k "
+                          "one-token passes; this is COST (default: 0.14 CPU float32, 0.1 CPU int8, 0.03 CUDA)")
+    gen.add_argument("--verify-overhead", type=float, default=None,
+                     help="... and this OVERHEAD (default: 0.5 CPU float32, 0 CPU int8 and CUDA)")
     gen.add_argument("--tree", metavar="DEPTHxTOPKxBUDGET", default=None,
                      help="draft token trees instead of chains (eagle, ngram): DEPTH levels, up to TOPK "
                           "candidates per node, at most BUDGET nodes scored in one target pass, e.g. 4x3x12; "
@@ -117,7 +119,7 @@ def _generate(args) -> int:
     print("specdec: loading the model...", file=sys.stderr)
     engine = Engine.load(args.model, args.drafter, args.num_speculative_tokens, args.device, args.dtype,
                          args.draft_length, progress=_progress, draft_p_min=args.draft_p_min, quantize=args.quantize,
-                         draft_tree=args.tree, verify_cost=args.verify_cost)
+                         draft_tree=args.tree, verify_cost=args.verify_cost, verify_overhead=args.verify_overhead)
     kwargs = dict(prompt=args.prompt, prompt_ids=prompt_ids, max_new_tokens=args.max_tokens, sampling=sampling,
                   stop=args.stop)
     if args.compare:

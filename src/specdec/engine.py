@@ -111,10 +111,16 @@ def _no_trees(name: str) -> InvalidRequestError:
 
 
 DRAFT_LENGTHS = ("fixed", "adaptive", "cost")
-# `verify_cost` defaults: one more scored token in a verify pass, relative to a one-token pass. On
-# the 2-core AVX2 CPU a 6-token pass of the default model costs ~1.9-2 one-token passes in float32
-# and int8 alike (BENCHMARKS.md); on a GPU a pass of a few tokens costs about one.
-DEFAULT_VERIFY_COST = {"cpu": 0.2, "cuda": 0.03}
+# The cost-aware draft length's step-cost model, 1 + overhead + cost * k for a verify pass over k
+# drafts, in plain steps (see `CostAwareDraftLength`). Measured on the 2-core AVX2 CPU with the
+# default model (a pass over T tokens after a 100-token context, relative to T = 1): float32 1.73 at
+# T = 2, 2.31 at T = 6, 2.60 at T = 9 (its matrix products leave their one-row fast path); int8
+# 0.96-1.13 up to T = 5, 1.35 at T = 6, 2.1 at T = 9. A GPU scores a few tokens for about one.
+DEFAULT_VERIFY_COSTS = {  # (overhead, cost per draft token)
+    "cpu": (0.5, 0.14),
+    "cpu-int8": (0.0, 0.1),
+    "cuda": (0.0, 0.03),
+}
 
 
 def default_draft_length(draft_length: str | None, tree) -> str:
@@ -126,12 +132,15 @@ def default_draft_length(draft_length: str | None, tree) -> str:
     return "fixed" if tree is not None else "cost"
 
 
-def check_draft_length(draft_length: str, verify_cost: float | None) -> None:
+def check_draft_length(draft_length: str, verify_cost: float | None, verify_overhead: float | None = None) -> None:
     if draft_length not in DRAFT_LENGTHS:
         raise InvalidRequestError(f"draft_length must be one of {', '.join(DRAFT_LENGTHS)}; got {draft_length!r}",
                                   "draft_length")
     if verify_cost is not None and not (isinstance(verify_cost, (int, float)) and 0 < verify_cost <= 10):
         raise InvalidRequestError(f"verify_cost must be a number in (0, 10], got {verify_cost!r}", "verify_cost")
+    if verify_overhead is not None and not (isinstance(verify_overhead, (int, float)) and 0 <= verify_overhead <= 10):
+        raise InvalidRequestError(f"verify_overhead must be a number in [0, 10], got {verify_overhead!r}",
+                                  "verify_overhead")
 
 
 @dataclass
@@ -228,7 +237,8 @@ class Engine:
 
     The drafter proposes a chain of up to `num_speculative_tokens` tokens per step: `draft_length`
     "cost" (the default for chains) picks, per kind of proposal, the length with the best expected
-    speedup for the acceptance measured so far and `verify_cost` (see `CostAwareDraftLength`);
+    speedup for the acceptance measured so far and the step-cost model (`verify_overhead`,
+    `verify_cost`; defaults in DEFAULT_VERIFY_COSTS; see `CostAwareDraftLength`);
     "fixed" always asks for k; "adaptive" moves k by the +2/-1 rule. Or, with `draft_tree` (a
     `TreeShape` or its `DEPTHxTOPKxBUDGET` string), a token tree from its `propose_tree`: several
     candidates per position, all scored in the same single target pass.
@@ -243,12 +253,13 @@ class Engine:
         draft_length: str | None = None,
         draft_tree: TreeShape | str | None = None,
         verify_cost: float | None = None,
+        verify_overhead: float | None = None,
     ):
         if num_speculative_tokens < 1:
             raise InvalidRequestError("num_speculative_tokens must be >= 1", "num_speculative_tokens")
         tree = TreeShape.parse(draft_tree) if isinstance(draft_tree, str) else draft_tree
         draft_length = default_draft_length(draft_length, tree)
-        check_draft_length(draft_length, verify_cost)
+        check_draft_length(draft_length, verify_cost, verify_overhead)
         if tree is not None:
             if not isinstance(drafter, TreeDrafter):
                 raise _no_trees(getattr(drafter, "name", "none") if drafter is not None else "none")
@@ -261,7 +272,7 @@ class Engine:
         self.k = num_speculative_tokens
         self.draft_length = draft_length
         self.draft_tree: TreeShape | None = tree
-        self.verify_cost = verify_cost
+        self.verify_cost, self.verify_overhead = verify_cost, verify_overhead
 
     @classmethod
     def load(
@@ -277,6 +288,7 @@ class Engine:
         quantize: str = "none",
         draft_tree: TreeShape | str | None = None,
         verify_cost: float | None = None,
+        verify_overhead: float | None = None,
     ) -> "Engine":
         """Load a target (and drafter) ready to generate.
 
@@ -293,7 +305,7 @@ class Engine:
         if isinstance(draft_tree, str):
             draft_tree = TreeShape.parse(draft_tree)  # a malformed shape fails before the load
         draft_length = default_draft_length(draft_length, draft_tree)
-        check_draft_length(draft_length, verify_cost)
+        check_draft_length(draft_length, verify_cost, verify_overhead)
         torch_dtype = resolve_dtype(dtype, device)
         if quantize not in QUANT_MODES:
             raise InvalidRequestError(f"unknown quantize {quantize!r}; choose {' or '.join(QUANT_MODES)}", "quantize")
@@ -310,7 +322,8 @@ class Engine:
         tokenizer = Tokenizer.from_folder(folder)
         if draft_path:
             made = make_drafter(drafter, model, tokenizer, draft_p_min, progress)
-        return cls(model, tokenizer, made, num_speculative_tokens, draft_length, draft_tree, verify_cost)
+        return cls(model, tokenizer, made, num_speculative_tokens, draft_length, draft_tree, verify_cost,
+                   verify_overhead)
 
     @property
     def device(self) -> torch.device:
@@ -444,9 +457,19 @@ class Engine:
         if self.draft_length == "adaptive":
             return AdaptiveDraftLength(self.k, max(self.k, 16))
         if self.draft_length == "cost":
-            cost = self.verify_cost or DEFAULT_VERIFY_COST["cuda" if self.device.type == "cuda" else "cpu"]
-            return CostAwareDraftLength(self.k, cost)
+            overhead, cost = DEFAULT_VERIFY_COSTS[self._hardware_kind()]
+            cost = cost if self.verify_cost is None else self.verify_cost
+            overhead = overhead if self.verify_overhead is None else self.verify_overhead
+            return CostAwareDraftLength(self.k, cost, overhead)
         return None
+
+    def _hardware_kind(self) -> str:
+        """The DEFAULT_VERIFY_COSTS row for this target: cuda, cpu-int8 or cpu."""
+        from .models.quant import Int8Linear
+
+        if self.device.type == "cuda":
+            return "cuda"
+        return "cpu-int8" if isinstance(self.model.lm_head, Int8Linear) else "cpu"
 
     def _draft(self, drafter, context: list[int], allowance: int, length):
         """This step's drafts as a tree (a chain is a path), their q ([nodes, vocab] or None) and

@@ -249,14 +249,16 @@ def check_k(k: int) -> None:
 class CostAwareDraftLength:
     """Per kind of proposal, the draft length with the best expected speedup (Leviathan et al.).
 
-    A verify step over k drafts costs about 1 + c k plain steps (`verify_cost` = c, the price of one
-    more scored token relative to a one-token pass: ~0.2 on a 2-core CPU, a few hundredths on a
-    GPU) and yields (1 - a^(k+1)) / (1 - a) tokens on average when each draft is accepted with
+    A verify step over k >= 1 drafts costs about 1 + c0 + c k plain steps (`verify_overhead` = c0,
+    what scoring more than one token costs at all; `verify_cost` = c, the price of each more token:
+    on a 2-core AVX2 CPU c0 ~ 0.5 and c ~ 0.14 in float32, whose matrix products leave their
+    one-row fast path, against c0 ~ 0 and c ~ 0.1 with int8 weights; a GPU is near c0 = 0, c = 0.03)
+    and yields (1 - a^(k+1)) / (1 - a) tokens on average when each draft is accepted with
     probability a once its predecessors were. So the best k maximises
 
-        (1 - a^(k+1)) / ((1 - a) (1 + c k))      over k = 0 .. k_max,
+        (1 - a^(k+1)) / ((1 - a) (1 + c0 + c k))      over k = 1 .. k_max,
 
-    and k = 0 (no drafting: a plain step) wins when a < c. The acceptance a is measured per kind of
+    against 1 for k = 0 (no drafting: a plain step), which wins when a is low. The acceptance a is measured per kind of
     proposal (`Proposal.source`): for the lookup drafters the length of the matched n-gram, since
     a guess that follows a one-token match is a far weaker one than a guess after a four-token
     match. Estimate: accepted tokens over accepted tokens + rejections (the maximum-likelihood a of
@@ -268,6 +270,7 @@ class CostAwareDraftLength:
 
     k_max: int
     verify_cost: float
+    verify_overhead: float = 0.0
     prior_accepted: float = 1.5
     prior_rejected: float = 1.0
 
@@ -277,6 +280,9 @@ class CostAwareDraftLength:
                                       param="num_speculative_tokens")
         if not self.verify_cost > 0:
             raise InvalidRequestError(f"verify_cost must be > 0, got {self.verify_cost!r}", param="verify_cost")
+        if not self.verify_overhead >= 0:
+            raise InvalidRequestError(f"verify_overhead must be >= 0, got {self.verify_overhead!r}",
+                                      param="verify_overhead")
         self._counts: dict[object, list[float]] = {}  # source -> [accepted tokens, rejections]
 
     def acceptance(self, source: object = None) -> float:
@@ -289,7 +295,7 @@ class CostAwareDraftLength:
         best_k, best, expected = 0, 1.0, 1.0  # k = 0: one token for one plain step
         for k in range(1, self.k_max + 1):
             expected += a**k  # 1 + a + ... + a^k
-            value = expected / (1 + c * k)
+            value = expected / (1 + self.verify_overhead + c * k)
             if value > best:
                 best_k, best = k, value
         return best_k
