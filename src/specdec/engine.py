@@ -125,8 +125,8 @@ DEFAULT_VERIFY_COSTS = {  # (overhead, cost per draft token)
 
 def default_draft_length(draft_length: str | None, tree) -> str:
     """None means the measured best: "cost" for chains (BENCHMARKS.md, Spec-Bench mix on the int8
-    target, 2-core CPU: prompt lookup 1.70x plain with it, 1.63x with a fixed k = 5); a tree has a
-    fixed shape."""
+    target, 2-core CPU: prompt lookup 1.77x plain with it, 1.60x with a fixed k = 5; a tie in
+    float32); a tree has a fixed shape."""
     if draft_length is not None:
         return draft_length
     return "fixed" if tree is not None else "cost"
