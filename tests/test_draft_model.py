@@ -171,7 +171,7 @@ def test_padded_vocabulary(tiny, draft_vocab):
     m = tiny["llama"]
     assert not m["target"].config.tie_embeddings
     draft = resized_vocab(m["target"], draft_vocab)
-    engine = Engine(m["target"], None, DraftModelDrafter(draft, V), 4)
+    engine = Engine(m["target"], None, DraftModelDrafter(draft, V), 4, "fixed")
     for ids in prompts():
         out = engine.generate(prompt_ids=ids, max_new_tokens=32)
         assert out.token_ids == plain_greedy(tiny, "llama", ids, 32)
@@ -354,7 +354,7 @@ class BrokenDrafter(DraftModelDrafter):
 
 def p_value(params, drafter, k):
     target = small_model(0)
-    engine = Engine(target, None, drafter, k)
+    engine = Engine(target, None, drafter, k, "fixed")
     counts = {}
     for seed in range(SAMPLES):
         out = engine.generate(prompt_ids=PROMPT, max_new_tokens=N_NEW, sampling=SamplingParams(
@@ -395,7 +395,7 @@ def test_broken_q_is_caught():
 
 
 def test_seeded_sampling_reproducible():
-    engine = Engine(small_model(0), None, DraftModelDrafter(small_model(1), SMALL_V, draft_p_min=0.3), 3)
+    engine = Engine(small_model(0), None, DraftModelDrafter(small_model(1), SMALL_V, draft_p_min=0.3), 3, "fixed")
     runs = [engine.generate(prompt_ids=PROMPT, max_new_tokens=20, sampling=SamplingParams(temperature=1.0, seed=s))
             for s in (9, 9, 10)]
     assert runs[0].token_ids == runs[1].token_ids != runs[2].token_ids
@@ -408,7 +408,7 @@ def test_default_model_as_its_own_draft(default_engine_fp32):
     e = default_engine_fp32
     drafter = DraftModelDrafter(e.model, e.model.config.vocab_size, tokenizer=e.tokenizer,
                                 target_tokenizer=e.tokenizer)  # also checks the real tokenizer's ids
-    spec = Engine(e.model, e.tokenizer, drafter, 4)
+    spec = Engine(e.model, e.tokenizer, drafter, 4, "fixed")
     prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n"
     plain = e.generate(prompt=prompt, max_new_tokens=24)
     out = spec.generate(prompt=prompt, max_new_tokens=24)

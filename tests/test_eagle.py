@@ -62,7 +62,7 @@ def features(target: Transformer, ids: list[int]) -> torch.Tensor:  # [len(ids),
 def test_greedy_identity_random_head(tiny, family, k, draft_vocab):
     target = tiny[family]["target"]
     drafter = EagleDrafter(random_head(target, draft_vocab))
-    engine, plain = Engine(target, None, drafter, k), Engine(target, None)
+    engine, plain = Engine(target, None, drafter, k, "fixed"), Engine(target, None)
     drafted = 0
     for ids in prompts():
         out = engine.generate(prompt_ids=ids, max_new_tokens=40)
@@ -96,7 +96,7 @@ def test_save_load_roundtrip_through_engine_load(tiny, tmp_path):
                          num_speculative_tokens=3)
     assert isinstance(engine.drafter, EagleDrafter)
     ids = prompts(1)[0]
-    a = Engine(target, None, EagleDrafter(head), 3).generate(prompt_ids=ids, max_new_tokens=24)
+    a = Engine(target, None, EagleDrafter(head), 3, "fixed").generate(prompt_ids=ids, max_new_tokens=24)
     b = engine.generate(prompt_ids=ids, max_new_tokens=24)
     assert a.token_ids == b.token_ids and [s.accepted for s in a.steps] == [s.accepted for s in b.steps]
 
@@ -261,14 +261,14 @@ def test_training_raises_acceptance_and_keeps_identity(tmp_path):
     train_head(target, None, untrained, TrainConfig(steps=0, **TINY_TRAIN), log=lambda *a: None)
     trained = tmp_path / "t"
     train_head(target, None, trained, TrainConfig(steps=40, **TINY_TRAIN), log=lambda *a: None)
-    before = acceptance(Engine(target, None, EagleDrafter.load(untrained, target), 4), 48)
+    before = acceptance(Engine(target, None, EagleDrafter.load(untrained, target), 4, "fixed"), 48)
     drafter = EagleDrafter.load(trained, target)
-    after = acceptance(Engine(target, None, drafter, 4), 48)
+    after = acceptance(Engine(target, None, drafter, 4, "fixed"), 48)
     info = json.loads((trained / "eagle.json").read_text())["training"]
     assert info["final_stats"]["acc1"] > 0.5
     assert after > before + 0.2, (before, after)
     # Trees: more candidates per position, so more tokens per target pass than the chain.
-    chain, tree = Engine(target, None, drafter, 4), Engine(target, None, drafter, draft_tree="4x3x12")
+    chain, tree = Engine(target, None, drafter, 4, "fixed"), Engine(target, None, drafter, draft_tree="4x3x12")
     chain_steps, tree_steps = [], []
     for ids in prompts(4, 6, 48):
         out = chain.generate(prompt_ids=ids, max_new_tokens=40)
@@ -317,7 +317,7 @@ def test_cli_train_draft_smoke(tiny, tmp_path):
     assert meta["training"]["steps_done"] == 4 and meta["draft_vocab_size"] == 50
     # The written head loads by name (the CLI's `--drafter eagle:DIR` goes through the same call).
     target, _ = loader.load(folder, torch.float32, "cpu")
-    engine = Engine(target, None, make_drafter(f"eagle:{tmp_path / 'o'}", target), 3)
+    engine = Engine(target, None, make_drafter(f"eagle:{tmp_path / 'o'}", target), 3, "fixed")
     ids = prompts(1)[0]
     assert engine.generate(prompt_ids=ids, max_new_tokens=12).token_ids == \
         Engine(target, None).generate(prompt_ids=ids, max_new_tokens=12).token_ids
@@ -330,7 +330,7 @@ def test_cli_train_draft_smoke(tiny, tmp_path):
 def test_default_model_with_shipped_head(default_engine_fp32):
     e = default_engine_fp32
     drafter = make_drafter("eagle", e.model)
-    spec = Engine(e.model, e.tokenizer, drafter, 4)
+    spec = Engine(e.model, e.tokenizer, drafter, 4, "fixed")
     drafted = accepted = 0
     for prompt in ("Question: What are the three primary colors?\nAnswer:",
                    "def fibonacci(n):\n    if n < 2:\n        return n\n"):
