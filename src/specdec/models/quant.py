@@ -12,7 +12,7 @@ The catch, and how it is closed. That kernel quantises its whole input with one 
 result would depend on the other rows in the call: a verify pass over k + 1 tokens would not compute
 what k + 1 one-token passes compute, and greedy speculative output would drift from plain output.
 So each row is put on its own integer grid first (symmetric, scale s_r = max|x_r| / 63, values
-round(x_r / s_r) in [-63, 63]), and a guard row holding -64 and 63 is appended so that the kernel's
+round(x_r / s_r) in [-63, 63]), and a guard row holding -64 and 63 is added so that the kernel's
 own quantisation of the block is exactly the identity: with `reduce_range` (7-bit activations,
 which AVX2 CPUs need: their u8 x s8 pair-sums saturate at 16 bits with full 8-bit activations) the
 range 127 over 127 levels gives scale 1 and zero point 64. The products are then exact integer sums,
@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 QUANT_MODES = ("none", "int8")
 _LEVELS = 63  # activation grid per plane: integers in [-63, 63] (7-bit, see the module doc)
+_REUSED_ROWS = 64  # input blocks of up to this many rows a plane reuse one buffer (`_input_block`)
 
 
 def quantize_rows(weight: Tensor, chunk: int = 8192) -> tuple[Tensor, Tensor]:
@@ -69,24 +70,28 @@ class Int8Linear(nn.Module):
         guard = torch.zeros(1, self.in_features)
         guard[0, 0], guard[0, -1] = -float(_LEVELS + 1), float(_LEVELS)
         self.register_buffer("_guard", guard, persistent=False)
-        self._blocks: dict[int, Tensor] = {}  # input blocks by row count (`_planes`), reused per call
+        self._block: Tensor | None = None  # the reused input block (`_input_block`)
 
     def int8_weight(self) -> Tensor:
         """The int8 values [N, K], e.g. for a tied embedding table (unpacked: a copy)."""
         qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
         return qweight.int_repr()
 
-    def _planes(self, n: int) -> Tensor:
-        """A reusable [2n + 1, in] input block whose last row is the guard (n rows per plane).
+    def _input_block(self, n: int) -> Tensor:
+        """A [1 + 2n, in] input block: the guard row, then n rows of each plane.
 
-        Made outside inference mode so that it can be filled in and out of it; a layer is run by
-        one thread at a time (the engine's and the scheduler's loops are single-threaded).
+        Decode and verify blocks (up to _REUSED_ROWS rows a plane) are written into one buffer kept
+        between calls, grown to the largest such block seen; a longer block (a prefill) gets a fresh
+        one, so a long prompt leaves no buffer of its size behind. Buffers are made outside
+        inference mode so that they can be filled in and out of it; a layer is run by one thread at
+        a time (the engine's and the scheduler's loops are single-threaded).
         """
-        block = self._blocks.get(n)
-        if block is None:
-            with torch.inference_mode(False):
-                block = torch.cat([torch.zeros(2 * n, self.in_features), self._guard.clone()])
-            self._blocks[n] = block
+        if n <= _REUSED_ROWS and self._block is not None and self._block.shape[0] >= 1 + 2 * n:
+            return self._block[: 1 + 2 * n]
+        with torch.inference_mode(False):
+            block = torch.cat([self._guard.clone(), torch.zeros(2 * n, self.in_features)])
+        if n <= _REUSED_ROWS:
+            self._block = block
         return block
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in_features]
@@ -97,8 +102,8 @@ class Int8Linear(nn.Module):
         n = rows.shape[0]
         # Per-row grid: s_r = max|x_r| / 63 (a zero row keeps a tiny scale and stays zero).
         row_scale = rows.abs().amax(dim=1, keepdim=True).div_(_LEVELS).clamp_(min=torch.finfo(torch.float32).tiny)
-        block = self._planes(n)
-        high, low = block[:n], block[n : 2 * n]
+        block = self._input_block(n)
+        high, low = block[1 : 1 + n], block[1 + n :]
         torch.div(rows, row_scale, out=low)
         torch.round(low, out=high)
         # Second plane: the rounding residual (in [-0.5, 0.5]) on its own grid of 126 steps, so
@@ -108,7 +113,7 @@ class Int8Linear(nn.Module):
         # 64 with reduce_range): integer inputs pass through exactly, so the products are exact
         # integer sums scaled per output channel, and each row's result is independent of the others.
         sums = torch.ops.quantized.linear_dynamic(block, self._packed, True)
-        out = torch.add(sums[:n], sums[n : 2 * n], alpha=1 / (2 * _LEVELS)).mul_(row_scale)  # [n, N]
+        out = torch.add(sums[1 : 1 + n], sums[1 + n :], alpha=1 / (2 * _LEVELS)).mul_(row_scale)  # [n, N]
         if self.bias is not None:
             out = out.add_(self.bias)
         out = out.view(*lead, self.out_features)
