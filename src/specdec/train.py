@@ -56,6 +56,7 @@ from torch import Tensor
 
 from .errors import InvalidRequestError
 from .models.kv_cache import KVCache
+from .models.transformer import soft_cap
 
 DATA_FILE = "data.pt"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -403,8 +404,7 @@ def model_sequence_loss(draft, head_rows: Tensor, softcap: float | None, tokens:
     pred, true = hidden[0], feats[:t].to(device)  # [T, h] each
 
     def sub_logits(x: Tensor) -> Tensor:  # [T, h] -> [T, Vd]
-        logits = x @ head_rows.T
-        return torch.tanh(logits / softcap) * softcap if softcap else logits
+        return soft_cap(x @ head_rows.T, softcap)
 
     with torch.no_grad():
         p_target = sub_logits(true).softmax(-1)

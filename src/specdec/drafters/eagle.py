@@ -51,7 +51,7 @@ from specdec.drafters.draft_model import check_draft_p_min
 from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
 from specdec.models.quant import linear_rows
-from specdec.models.transformer import Block, ModelConfig, Transformer, rope_tables
+from specdec.models.transformer import Block, ModelConfig, Transformer, rope_tables, soft_cap
 from specdec.sampling import SamplingParams, make_generator, process_logits, sample
 from specdec.verify import TokenTree
 
@@ -218,10 +218,7 @@ class EagleModel(nn.Module):
         return feats, self.logits(feats)
 
     def logits(self, feats: Tensor) -> Tensor:  # [..., h] -> [..., Vd] float32
-        logits = (feats @ self.head_rows.T).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return soft_cap((feats @ self.head_rows.T).float(), self.softcap)
 
     def to_target(self, sub: Tensor, fill: float) -> Tensor:
         """[..., Vd] -> [..., target vocab]: scatter into a row of `fill` (-inf logits, 0 probs)."""

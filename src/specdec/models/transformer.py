@@ -130,6 +130,11 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.scale(), self.eps).to(x.dtype)
 
 
+def soft_cap(logits: Tensor, cap: float | None) -> Tensor:
+    """Final-logit soft-capping where a config has it (Gemma 2/3): cap * tanh(logits / cap)."""
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 def rope_tables(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
     """cos and sin of the rotary angles, [batch, 1, T, head_dim], for `rotate` (computed once a pass)."""
     angles = positions[:, None, :, None].float() * inv_freq  # [b, 1, T, d/2]
@@ -162,7 +167,6 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_eps, cfg.norm_offset)
         self.qk_norm = cfg.qk_norm
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.eps = cfg.rms_eps
         self.scale = cfg.score_scale
         self.qkv_proj: nn.Module | None = None  # set by `fuse`: one projection instead of three
 
@@ -205,7 +209,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             # Per head: the same RMSNorm as q_norm / k_norm, over all q and k heads at once.
             dtype = qk.dtype
-            qk = (F.rms_norm(qk.float(), (self.head_dim,), None, self.eps) * self.qk_scale()).to(dtype)
+            qk = (F.rms_norm(qk.float(), (self.head_dim,), None, self.q_norm.eps) * self.qk_scale()).to(dtype)
         qk = rotate(qk.transpose(1, 2), cos, sin)  # [b, heads + kv_heads, T, d]
         q, k = qk[:, : self.heads], qk[:, self.heads :]
         cache.write(layer, k, v.transpose(1, 2), slots)
@@ -349,11 +353,7 @@ class Transformer(nn.Module):
 
     def head(self, hidden: Tensor) -> Tensor:
         """Final-normed hidden states [..., hidden] -> float32 logits [..., vocab] (soft-capped if set)."""
-        logits = self.lm_head(hidden).float()
-        if self.config.final_logit_softcap:
-            cap = self.config.final_logit_softcap
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return soft_cap(self.lm_head(hidden).float(), self.config.final_logit_softcap)
 
     def _visibility(self, start, positions, cache, mask, span, t):
         """Which cache slots each new query may attend to.
