@@ -1,5 +1,3 @@
-import json
-
 import pytest
 import torch
 
@@ -38,6 +36,28 @@ def make_tiny_hf(tmp_path, family: str, seed: int = 0):
     folder = tmp_path / f"tiny-{family}"
     model.save_pretrained(str(folder))
     return folder, model
+
+
+TINY_VOCAB = 97  # make_tiny_hf's vocabulary
+
+
+def random_prompts(n: int, length: int = 10, vocab: int = TINY_VOCAB, seed: int = 0) -> list[list[int]]:
+    """n reproducible random prompts of token ids in [3, vocab) (0-2 are pad/bos/eos)."""
+    return [torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed + s)).tolist()
+            for s in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """family -> dict(target, folder): tiny random llama and gemma3 (sliding window) models, fp32."""
+    from specdec.models import loader
+
+    out = {}
+    for family in ("llama", "gemma3"):
+        folder, _ = make_tiny_hf(tmp_path_factory.mktemp(family), family, seed=0)
+        target, _ = loader.load(folder, torch.float32, "cpu")
+        out[family] = dict(target=target, folder=folder)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,8 @@ from specdec.models.transformer import ModelConfig, RopeSpec, Transformer
 from specdec.sampling import make_generator, process_logits, sample
 
 make_tiny_hf = __import__("conftest").make_tiny_hf
-V = 97  # make_tiny_hf's vocabulary
+V = __import__("conftest").TINY_VOCAB
+prompts = __import__("conftest").random_prompts
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -48,10 +49,6 @@ def tiny(tmp_path_factory):
     return out
 
 
-def prompts(n=2, length=10):
-    return [torch.randint(3, V, (length,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(n)]
-
-
 _plain = {}
 
 
@@ -72,7 +69,7 @@ def test_greedy_identity(tiny, family, draft, k, length):
     m = tiny[family]
     engine = Engine(m["target"], None, DraftModelDrafter(m[draft], V), k, length)
     drafted = accepted = 0
-    for ids in prompts():
+    for ids in prompts(2):
         out = engine.generate(prompt_ids=ids, max_new_tokens=32)
         assert out.token_ids == plain_greedy(tiny, family, ids, 32)
         drafted += out.stats.draft_tokens
@@ -172,7 +169,7 @@ def test_padded_vocabulary(tiny, draft_vocab):
     assert not m["target"].config.tie_embeddings
     draft = resized_vocab(m["target"], draft_vocab)
     engine = Engine(m["target"], None, DraftModelDrafter(draft, V), 4, "fixed")
-    for ids in prompts():
+    for ids in prompts(2):
         out = engine.generate(prompt_ids=ids, max_new_tokens=32)
         assert out.token_ids == plain_greedy(tiny, "llama", ids, 32)
         if draft_vocab > V:  # the target's own weights plus padding ids that must never be drafted

@@ -17,12 +17,12 @@ from specdec.engine import make_drafter
 from specdec.errors import InvalidRequestError
 from specdec.models import loader
 from specdec.models.transformer import ModelConfig, RopeSpec, Transformer
-from specdec.sampling import make_generator, process_logits, sample
+from specdec.sampling import process_logits, sample
 from specdec.train import TrainConfig, train_head, unrolled_visibility
 
-make_tiny_hf = __import__("conftest").make_tiny_hf
 tdm = __import__("test_draft_model")  # the enumeration + chi-square machinery for exact sampling
-V = 97  # make_tiny_hf's vocabulary
+V = __import__("conftest").TINY_VOCAB
+prompts = __import__("conftest").random_prompts
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,20 +35,6 @@ def random_head(target: Transformer, draft_vocab: int, seed: int = 0, intermedia
     return EagleModel(HeadSpec.for_target(target.config, draft_vocab, intermediate), target, d2t).eval()
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = {}
-    for family in ("llama", "gemma3"):
-        folder, _ = make_tiny_hf(tmp_path_factory.mktemp(family), family, seed=0)
-        target, _ = loader.load(folder, torch.float32, "cpu")
-        out[family] = dict(target=target, folder=folder)
-    return out
-
-
-def prompts(n=3, length=10, vocab=V):
-    return [torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(n)]
-
-
 def features(target: Transformer, ids: list[int]) -> torch.Tensor:  # [len(ids), h]
     _, hidden = target(torch.tensor([ids]), torch.arange(len(ids))[None], target.new_cache(1, len(ids)), last_n=1)
     return hidden[0]
@@ -59,12 +45,12 @@ def features(target: Transformer, ids: list[int]) -> torch.Tensor:  # [len(ids),
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("k,draft_vocab", [(1, V), (4, 60), (7, 60)])
-def test_greedy_identity_random_head(tiny, family, k, draft_vocab):
-    target = tiny[family]["target"]
+def test_greedy_identity_random_head(tiny_models, family, k, draft_vocab):
+    target = tiny_models[family]["target"]
     drafter = EagleDrafter(random_head(target, draft_vocab))
     engine, plain = Engine(target, None, drafter, k, "fixed"), Engine(target, None)
     drafted = 0
-    for ids in prompts():
+    for ids in prompts(3):
         out = engine.generate(prompt_ids=ids, max_new_tokens=40)
         assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=40).token_ids
         drafted += out.stats.draft_tokens
@@ -72,27 +58,27 @@ def test_greedy_identity_random_head(tiny, family, k, draft_vocab):
     assert drafted > 0
 
 
-def test_satisfies_protocol_and_names(tiny):
-    assert isinstance(EagleDrafter(random_head(tiny["llama"]["target"], 50)), Drafter)
+def test_satisfies_protocol_and_names(tiny_models):
+    assert isinstance(EagleDrafter(random_head(tiny_models["llama"]["target"], 50)), Drafter)
     assert is_eagle_name("eagle") and is_eagle_name("eagle:/x") and not is_eagle_name("eagles")
     with pytest.raises(InvalidRequestError, match="no EAGLE head"):
         eagle_head_path("eagle:/nonexistent/head")
 
 
-def test_wrong_target_is_an_error(tiny, tmp_path):
-    random_head(tiny["llama"]["target"], 50).save(tmp_path / "h")
+def test_wrong_target_is_an_error(tiny_models, tmp_path):
+    random_head(tiny_models["llama"]["target"], 50).save(tmp_path / "h")
     other = tdm.small_model(0)  # vocabulary 6, hidden 32
     with pytest.raises(InvalidRequestError, match="train one"):
         EagleModel.load(tmp_path / "h", other)
     with pytest.raises(InvalidRequestError, match="no EAGLE head"):
-        Engine.load(str(tiny["llama"]["folder"]), drafter=f"eagle:{tmp_path / 'missing'}", dtype="float32")
+        Engine.load(str(tiny_models["llama"]["folder"]), drafter=f"eagle:{tmp_path / 'missing'}", dtype="float32")
 
 
-def test_save_load_roundtrip_through_engine_load(tiny, tmp_path):
-    target = tiny["gemma3"]["target"]
+def test_save_load_roundtrip_through_engine_load(tiny_models, tmp_path):
+    target = tiny_models["gemma3"]["target"]
     head = random_head(target, 70, seed=3)
     head.save(tmp_path / "h", dtype=torch.float32)
-    engine = Engine.load(str(tiny["gemma3"]["folder"]), drafter=f"eagle:{tmp_path / 'h'}", dtype="float32",
+    engine = Engine.load(str(tiny_models["gemma3"]["folder"]), drafter=f"eagle:{tmp_path / 'h'}", dtype="float32",
                          num_speculative_tokens=3)
     assert isinstance(engine.drafter, EagleDrafter)
     ids = prompts(1)[0]
@@ -105,12 +91,12 @@ def test_save_load_roundtrip_through_engine_load(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("greedy", [True, False])
-def test_incremental_cache_equals_fresh(tiny, greedy):
+def test_incremental_cache_equals_fresh(tiny_models, greedy):
     """Drive the drafter like the engine (observe the committed tokens' true features, accept a
     prefix, append one token) and compare every proposal with a fresh drafter that builds all
     its entries from the whole context at once; after each proposal the draft entries must be
     rolled back (cache length = context length - 1)."""
-    target = tiny["gemma3"]["target"]
+    target = tiny_models["gemma3"]["target"]
     head = random_head(target, 80, seed=1)
     sampling = SamplingParams() if greedy else SamplingParams(temperature=0.9, top_k=30, seed=0)
     gen_a, gen_b = torch.Generator(), torch.Generator()
@@ -151,16 +137,16 @@ def test_incremental_cache_equals_fresh(tiny, greedy):
     assert d.cache_length == 0 and d.num_features == 0
 
 
-def test_without_features_no_draft(tiny):
-    d = EagleDrafter(random_head(tiny["llama"]["target"], 50))
+def test_without_features_no_draft(tiny_models):
+    d = EagleDrafter(random_head(tiny_models["llama"]["target"], 50))
     d.begin(prompts(1)[0])
     assert d.propose(prompts(1)[0] + [5], 4).tokens == []  # nothing observed: a plain step
 
 
-def test_sub_vocabulary_q_equals_full_vocabulary_processing(tiny):
+def test_sub_vocabulary_q_equals_full_vocabulary_processing(tiny_models):
     """q is processed over the sub-vocabulary and scattered; the brief's definition is
     process_logits over the full vocabulary with -inf outside it. They must agree."""
-    target = tiny["llama"]["target"]
+    target = tiny_models["llama"]["target"]
     head = random_head(target, 40, seed=2)
     logits = torch.randn(40, generator=torch.Generator().manual_seed(0)) * 3
     full = head.to_target(logits, float("-inf"))
@@ -174,8 +160,8 @@ def test_sub_vocabulary_q_equals_full_vocabulary_processing(tiny):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_tree_greedy_identity_random_head(tiny, family):
-    target = tiny[family]["target"]
+def test_tree_greedy_identity_random_head(tiny_models, family):
+    target = tiny_models[family]["target"]
     drafter = EagleDrafter(random_head(target, 70, seed=2))
     plain, tree = Engine(target, None), Engine(target, None, drafter, draft_tree="3x3x10")
     for ids in prompts(2):
@@ -303,8 +289,8 @@ def test_unrolled_visibility_matches_drafting():
     assert vis[a, 10:].tolist() == [False, False, False, False, True]  # depth 3 at a
 
 
-def test_cli_train_draft_smoke(tiny, tmp_path):
-    folder = str(tiny["gemma3"]["folder"])
+def test_cli_train_draft_smoke(tiny_models, tmp_path):
+    folder = str(tiny_models["gemma3"]["folder"])
     base = [sys.executable, "-m", "specdec.cli", "train-draft", "--target", folder, "--out", str(tmp_path / "o"),
             "--num-seeds", "8", "--gen-tokens", "12", "--gen-batch", "4", "--draft-vocab", "50",
             "--intermediate-size", "32", "--batch-tokens", "64", "--checkpoint-every", "2"]

@@ -23,7 +23,8 @@ from specdec.verify import TokenTree
 
 make_tiny_hf = __import__("conftest").make_tiny_hf
 random_head = __import__("test_eagle").random_head
-V = 97  # make_tiny_hf's vocabulary
+V = __import__("conftest").TINY_VOCAB
+prompts = __import__("conftest").random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,11 +36,6 @@ def targets(tmp_path_factory):
         folder, _ = make_tiny_hf(tmp_path_factory.mktemp(family), family, seed=1)
         out[family], _ = loader.load(folder, torch.float32, "cpu")
     return out
-
-
-def prompts(n=3, length=10, seed=0):
-    return [torch.randint(3, V, (length,), generator=torch.Generator().manual_seed(seed + s)).tolist()
-            for s in range(n)]
 
 
 class OracleTree:

@@ -16,29 +16,16 @@ from specdec.models.transformer import RopeSpec
 from specdec.train import CHECKPOINT_FILE, DATA_FILE, DistillData, TrainConfig, pick_layers, \
     train_model
 
-make_tiny_hf = __import__("conftest").make_tiny_hf
 peaky_target = __import__("test_eagle").peaky_target  # 2 layers, vocabulary 48, structured greedy text
-V = 97  # make_tiny_hf's vocabulary
+make_tiny_hf = __import__("conftest").make_tiny_hf
+V = __import__("conftest").TINY_VOCAB
+prompts = __import__("conftest").random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 QUIET = dict(log=lambda *a: None)
 TINY = dict(kind="model", num_seeds=24, gen_tokens=40, gen_batch=8, draft_vocab=40, batch_tokens=200, lr=3e-3,
             warmup=5, checkpoint_every=5)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = {}
-    for family in ("llama", "gemma3"):
-        folder, hf = make_tiny_hf(tmp_path_factory.mktemp(family), family, seed=0)
-        target, _ = loader.load(folder, torch.float32, "cpu")
-        out[family] = dict(target=target, folder=folder)
-    return out
-
-
-def prompts(n=2, length=10, vocab=V):
-    return [torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(n)]
 
 
 def test_pick_layers():
@@ -56,21 +43,21 @@ def test_config_to_hf_round_trip(tmp_path, family):
     assert loader.config_from_hf(loader.config_to_hf(cfg)) == cfg
 
 
-def test_config_to_hf_refuses_what_it_cannot_write(tiny):
+def test_config_to_hf_refuses_what_it_cannot_write(tiny_models):
     import dataclasses
 
-    cfg = tiny["llama"]["target"].config
+    cfg = tiny_models["llama"]["target"].config
     mixed = dataclasses.replace(cfg, layer_rope=(RopeSpec(1e4),) * 3 + (RopeSpec(5e5),))
     with pytest.raises(ModelLoadError, match="rope"):
         loader.config_to_hf(mixed)
 
 
 @pytest.mark.parametrize("family,layers,pick", [("gemma3", 3, "spread"), ("llama", 2, "first")])
-def test_untrained_draft_is_the_cut_target_and_drafts(tiny, tmp_path, family, layers, pick):
+def test_untrained_draft_is_the_cut_target_and_drafts(tiny_models, tmp_path, family, layers, pick):
     """--steps 0: no data, the truncated target as an HF folder; loads through the loader (as the
     target's family), through transformers (same logits: HF field and tensor names are right), as
     a draft model with greedy identity, and through Engine.load(drafter=DIR)."""
-    m = tiny[family]
+    m = tiny_models[family]
     target = m["target"]
     out = train_model(target, None, tmp_path / "d", TrainConfig(steps=0, layers=layers, pick=pick, **TINY),
                       **QUIET)
@@ -102,7 +89,7 @@ def test_untrained_draft_is_the_cut_target_and_drafts(tiny, tmp_path, family, la
     engine = Engine(target, None, DraftModelDrafter(draft, V), 3)
     loaded = Engine.load(str(m["folder"]), drafter=str(out), dtype="float32", num_speculative_tokens=3)
     assert isinstance(loaded.drafter, DraftModelDrafter)
-    for ids in prompts():
+    for ids in prompts(2):
         plain = Engine(target, None).generate(prompt_ids=ids, max_new_tokens=24).token_ids
         a = engine.generate(prompt_ids=ids, max_new_tokens=24)
         assert a.token_ids == plain and a.stats.draft_tokens > 0
@@ -177,7 +164,7 @@ def tiny_tokenizer(folder):
                             pad_token="<pad>").save_pretrained(str(folder))
 
 
-def test_cli_train_draft_model_then_generate(tiny, tmp_path, monkeypatch, capsys):
+def test_cli_train_draft_model_then_generate(tiny_models, tmp_path, monkeypatch, capsys):
     """`specdec train-draft --kind model` on a target with a tokenizer, resumed, then
     `specdec generate --drafter OUT --compare`: the tokenizer files travel with the draft."""
     import shutil
@@ -185,7 +172,7 @@ def test_cli_train_draft_model_then_generate(tiny, tmp_path, monkeypatch, capsys
     import specdec.train
 
     folder = tmp_path / "target"
-    shutil.copytree(tiny["llama"]["folder"], folder)
+    shutil.copytree(tiny_models["llama"]["folder"], folder)
     tiny_tokenizer(folder)
     # Seeds from a few words instead of scanning the standard library (seconds of parsing).
     monkeypatch.setattr(specdec.train, "local_texts",
