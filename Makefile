@@ -14,6 +14,8 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# The compiled CPU kernels (models/cpu_kernels.cpp), built once now rather than at first use.
+	$(BIN)/python -c "from specdec.models import cpu_kernels; print('specdec CPU kernels:', 'ready' if cpu_kernels.load() else 'unavailable, PyTorch paths in use')"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import cpu_kernels
 from .kv_cache import KVCache
 
 
@@ -125,9 +126,20 @@ class RMSNorm(nn.Module):
         # Normalise in float32 whatever the activation dtype: the mean of squares is where
         # bfloat16 would lose the most.
         # x / sqrt(mean(x^2) + eps) * (offset + w), as one fused op.
+        kernels = compiled_kernels(x)
+        if kernels is not None:
+            return kernels.rms_norm(x, self.scale(), self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.scale(), self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.scale(), self.eps).to(x.dtype)
+
+
+def compiled_kernels(x: Tensor):
+    """The compiled CPU kernels (`cpu_kernels`) where they apply to `x`: float32 on the CPU, under
+    inference mode (training needs autograd's ops). None otherwise, or where they are not built."""
+    if x.dtype != torch.float32 or x.is_cuda or not torch.is_inference_mode_enabled():
+        return None
+    return cpu_kernels.load()
 
 
 def soft_cap(logits: Tensor, cap: float | None) -> Tensor:
@@ -206,7 +218,10 @@ class Attention(nn.Module):
     ) -> Tensor:
         b, t, _ = x.shape
         qk, v = self.project(x)
-        if self.qk_norm:
+        kernels = compiled_kernels(qk) if self.qk_norm else None
+        if kernels is not None:
+            qk = kernels.rms_norm(qk, self.qk_scale(), self.q_norm.eps)  # row r uses head r mod (heads + kv)
+        elif self.qk_norm:
             # Per head: the same RMSNorm as q_norm / k_norm, over all q and k heads at once.
             dtype = qk.dtype
             qk = (F.rms_norm(qk.float(), (self.head_dim,), None, self.q_norm.eps) * self.qk_scale()).to(dtype)
