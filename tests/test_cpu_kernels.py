@@ -1,5 +1,7 @@
 """The compiled CPU kernels compute what the PyTorch paths they replace compute."""
 
+import collections
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,17 +74,23 @@ def test_model_uses_kernels_under_inference_only_and_matches(kernels, tmp_path, 
     folder, _ = __import__("conftest").make_tiny_hf(tmp_path, "gemma3")
     model, _ = loader.load(folder, torch.float32, "cpu")
     ids = torch.arange(20)[None]
-    calls = []
+    calls = collections.Counter()
 
-    class Counting:  # the real kernels, counting the norms they run
-        def rms_norm(self, *args):
-            calls.append(1)
-            return kernels.rms_norm(*args)
+    class Counting:  # the real kernels, counting the calls
+        def __getattr__(self, name):
+            def call(*args):
+                calls[name] += 1
+                return getattr(kernels, name)(*args)
+            return call
 
     monkeypatch.setattr(cpu_kernels, "load", lambda: Counting())
+    model.fuse_projections()
     compiled, _ = model(ids, torch.arange(20)[None], model.new_cache(1, 32))
     layers = model.config.num_layers
-    assert len(calls) == 5 * layers + 1  # 4 sandwich norms and the q/k norm a layer, the final norm
+    # A layer: its input norm and q/k norm, rotation with the cache write, two residual steps and
+    # the MLP's activation; then the final norm.
+    assert calls == {"rms_norm": 2 * layers + 1, "rope_write": layers, "residual_norm": 2 * layers,
+                     "gated_activation": layers}
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     reference, _ = model(ids, torch.arange(20)[None], model.new_cache(1, 32))
     torch.testing.assert_close(compiled, reference, atol=1e-4, rtol=1e-4)
@@ -102,3 +110,41 @@ def test_disabled_by_environment(monkeypatch):
         monkeypatch.delenv("SPECDEC_CPU_KERNELS")
         cpu_kernels.load.cache_clear()
     assert cpu_kernels.load() is not None
+
+
+def test_block_kernels_match_pytorch_ops(kernels):
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(2, 3, 64, generator=g), torch.randn(2, 3, 64, generator=g)
+    w1, w2 = torch.randn(64, generator=g), torch.randn(64, generator=g)
+    total, normed = kernels.residual_norm(x, y, w1, w2, 1e-6)
+    expect_total = x + F.rms_norm(y, (64,), w1, 1e-6)
+    torch.testing.assert_close(total, expect_total, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(normed, F.rms_norm(expect_total, (64,), w2, 1e-6), atol=1e-5, rtol=1e-5)
+    (plain_sum,) = kernels.residual_norm(x, y, None, None, 1e-6)
+    assert torch.equal(plain_sum, x + y)
+
+    gate_up = torch.randn(4, 2 * 48, generator=g) * 3
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.gated_activation(gate_up, True), F.gelu(gate, approximate="tanh") * up,
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernels.gated_activation(gate_up, False), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_write_matches_rotate_and_cache_write(kernels):
+    from specdec.models.kv_cache import KVCache
+    from specdec.models.transformer import rope_tables, rotate
+
+    g = torch.Generator().manual_seed(8)
+    b, t, heads, kv_heads, d = 2, 3, 4, 2, 16
+    qkv = torch.randn(b, t, heads + 2 * kv_heads, d, generator=g)
+    qk, v = qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads :]  # strided, as `project` gives
+    positions = torch.tensor([[5, 6, 7], [2, 3, 4]])
+    cos, sin = rope_tables(positions, 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+    slots = torch.tensor([[5, 6, 7], [2, 3, 4]])
+    reference, compiled = (KVCache(1, b, kv_heads, d, 10, torch.float32, "cpu") for _ in range(2))
+    rotated = rotate(qk.transpose(1, 2), cos, sin)
+    reference.write(0, rotated[:, heads:], v.transpose(1, 2), slots)
+    q = kernels.rope_write(qk, v, cos, sin, compiled.keys[0], compiled.values[0], slots)
+    assert torch.equal(q, rotated[:, :heads])  # the same products and sums: bit-identical
+    assert torch.equal(compiled.keys[0], reference.keys[0])
+    assert torch.equal(compiled.values[0], reference.values[0])

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <vector>
 
 namespace {
 
@@ -83,9 +84,17 @@ torch::Tensor int8_combine(torch::Tensor sums, torch::Tensor scale, c10::optiona
   return out;
 }
 
+// One row of RMSNorm: out = x / sqrt(mean(x^2) + eps) * w, the mean of squares summed in double.
+inline void rms_norm_row(const float* x, const float* w, float* out, int64_t d, double eps) {
+  double squares = 0.0;
+  for (int64_t i = 0; i < d; ++i) squares += static_cast<double>(x[i]) * x[i];
+  const float inv = static_cast<float>(1.0 / std::sqrt(squares / d + eps));
+  for (int64_t i = 0; i < d; ++i) out[i] = x[i] * inv * w[i];
+}
+
 // RMSNorm over the last dimension: x_r / sqrt(mean(x_r^2) + eps) * w[r mod R], with w: [d] or
 // [R, d] (R = heads + kv_heads for Gemma's per-head q/k norms over stacked heads).
-// The mean of squares is summed in double. Returns a new contiguous float32 tensor shaped as x.
+// Returns a new contiguous float32 tensor shaped as x.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "rms_norm: float32 only");
   x = x.contiguous();
@@ -97,16 +106,102 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float* xs = x.data_ptr<float>();
   const float* ws = w.data_ptr<float>();
   float* os = out.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = xs + r * d;
-    double squares = 0.0;
-    for (int64_t i = 0; i < d; ++i) squares += static_cast<double>(row[i]) * row[i];
-    const float inv = static_cast<float>(1.0 / std::sqrt(squares / d + eps));
-    const float* wr = ws + (r % period) * d;
-    float* o = os + r * d;
-    for (int64_t i = 0; i < d; ++i) o[i] = row[i] * inv * wr[i];
-  }
+  for (int64_t r = 0; r < rows; ++r) rms_norm_row(xs + r * d, ws + (r % period) * d, os + r * d, d, eps);
   return out;
+}
+
+// The residual step of a decoder block: x + norm_y(y) (or x + y without w_y), and, with w_out,
+// the RMSNorm of that sum (the next sublayer's input). x, y: [..., d]. Returns [sum] or [sum, normed].
+std::vector<torch::Tensor> residual_norm(torch::Tensor x, torch::Tensor y, c10::optional<torch::Tensor> w_y,
+                                         c10::optional<torch::Tensor> w_out, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && y.scalar_type() == torch::kFloat, "residual_norm: float32 only");
+  x = x.contiguous();
+  y = y.contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  TORCH_CHECK(y.numel() == x.numel(), "residual_norm: x and y differ in size");
+  torch::Tensor wy, wo;
+  if (w_y.has_value()) wy = w_y->contiguous();
+  if (w_out.has_value()) wo = w_out->contiguous();
+  auto sum = torch::empty_like(x);
+  torch::Tensor normed = w_out.has_value() ? torch::empty_like(x) : torch::Tensor();
+  std::vector<float> scratch(d);
+  const float* xs = x.data_ptr<float>();
+  const float* ys = y.data_ptr<float>();
+  float* ss = sum.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* add = ys + r * d;
+    if (w_y.has_value()) {
+      rms_norm_row(add, wy.data_ptr<float>(), scratch.data(), d, eps);
+      add = scratch.data();
+    }
+    float* o = ss + r * d;
+    for (int64_t i = 0; i < d; ++i) o[i] = xs[r * d + i] + add[i];
+    if (w_out.has_value()) rms_norm_row(o, wo.data_ptr<float>(), normed.data_ptr<float>() + r * d, d, eps);
+  }
+  if (w_out.has_value()) return {sum, normed};
+  return {sum};
+}
+
+// The gated MLP's activation: act(gate) * up from the fused gate/up projection [..., 2I] (gate
+// first), act = GELU with the tanh approximation or SiLU: PyTorch's own vectorised kernels, called
+// from here so that the split, the activation and the product cost one call from Python.
+torch::Tensor gated_activation(torch::Tensor gate_up, bool gelu_tanh) {
+  const int64_t width = gate_up.size(-1) / 2;
+  auto gate = gate_up.narrow(-1, 0, width), up = gate_up.narrow(-1, width, width);
+  return (gelu_tanh ? at::gelu(gate, "tanh") : at::silu(gate)).mul_(up);
+}
+
+// Rotary embedding of the new queries and keys, and the keys and values written into the cache.
+// qk: [b, T, H + KV, d] (queries then keys, per token); v: [b, T, KV, d]; cos, sin: [b, 1, T, d]
+// (`rope_tables`); cache_k, cache_v: [b, KV, capacity, d] (any strides, last dimension contiguous);
+// slots: [b, T] int64. The rotation is x * cos + rotate_half(x) * sin with rotate_half(x) =
+// (-x2, x1), the same products and sum as `transformer.rotate`. Returns the rotated queries
+// [b, H, T, d]; the rotated keys and the values go to their slots.
+torch::Tensor rope_write(torch::Tensor qk, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+                         torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor slots) {
+  TORCH_CHECK(qk.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat &&
+                  cache_k.scalar_type() == torch::kFloat && cache_v.scalar_type() == torch::kFloat,
+              "rope_write: float32 only");
+  TORCH_CHECK(cache_k.stride(3) == 1 && cache_v.stride(3) == 1, "rope_write: cache rows must be contiguous");
+  qk = qk.contiguous();
+  v = v.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  slots = slots.to(torch::kLong).contiguous();
+  const int64_t b = qk.size(0), t = qk.size(1), all_heads = qk.size(2), d = qk.size(3);
+  const int64_t kv_heads = cache_k.size(1), heads = all_heads - kv_heads, half = d / 2;
+  auto q = torch::empty({b, heads, t, d}, qk.options());
+  const float* xs = qk.data_ptr<float>();
+  const float* vs = v.data_ptr<float>();
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float* qs = q.data_ptr<float>();
+  float* ks = cache_k.data_ptr<float>();
+  float* cvs = cache_v.data_ptr<float>();
+  for (int64_t bi = 0; bi < b; ++bi) {
+    for (int64_t ti = 0; ti < t; ++ti) {
+      const float* c = cs + (bi * t + ti) * d;
+      const float* s = sn + (bi * t + ti) * d;
+      const int64_t at = slot[bi * t + ti];
+      TORCH_CHECK(at >= 0 && at < cache_k.size(2), "rope_write: slot out of range");
+      for (int64_t h = 0; h < all_heads; ++h) {
+        const float* x = xs + ((bi * t + ti) * all_heads + h) * d;
+        float* o = h < heads ? qs + ((bi * heads + h) * t + ti) * d
+                             : ks + bi * cache_k.stride(0) + (h - heads) * cache_k.stride(1) + at * cache_k.stride(2);
+        for (int64_t i = 0; i < half; ++i) {
+          o[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+          o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+        }
+      }
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const float* x = vs + ((bi * t + ti) * kv_heads + h) * d;
+        float* o = cvs + bi * cache_v.stride(0) + h * cache_v.stride(1) + at * cache_v.stride(2);
+        std::copy(x, x + d, o);
+      }
+    }
+  }
+  return q;
 }
 
 }  // namespace
@@ -115,4 +210,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_planes", &int8_planes, "Int8Linear's per-row input planes");
   m.def("int8_combine", &int8_combine, "Int8Linear's output from its integer sums");
   m.def("rms_norm", &rms_norm, "RMSNorm with per-row-period weights");
+  m.def("residual_norm", &residual_norm, "x + norm(y), and the norm of that sum");
+  m.def("gated_activation", &gated_activation, "act(gate) * up from a fused gate/up projection");
+  m.def("rope_write", &rope_write, "rotary embedding of q and k; k and v written to the cache");
 }

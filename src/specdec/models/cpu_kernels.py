@@ -2,7 +2,9 @@
 
 A decoding step on a small model is mostly dispatch: Gemma 3 270M's int8 step ran ~900 PyTorch ops,
 and on this project's 2-core CPU the int8 input preparation and the RMSNorms alone cost ~14 ms of a
-~35 ms step. The C++ file does the same row-by-row math in one call per op. It is compiled with
+~35 ms step. The C++ file does the same row-by-row math in one call per op: Int8Linear's input
+planes and rescaling, RMSNorm, a block's residual step with its norms, the rotary embedding with
+the cache write, and the gated MLP activation (measured here: an int8 step from ~37 to ~24 ms). It is compiled with
 PyTorch's own extension builder into the specdec cache (`SPECDEC_CACHE`, default
 ~/.cache/specdec/kernels; ~30 s the first time, then a load of milliseconds).
 
@@ -40,7 +42,8 @@ def build_dir() -> Path:
 
 @functools.lru_cache(maxsize=None)  # one compiled library per process, like any extension module
 def load():
-    """The compiled module (functions int8_planes, int8_combine, rms_norm), or None where unavailable."""
+    """The compiled module (int8_planes, int8_combine, rms_norm, residual_norm, rope_write,
+    gated_activation), or None where unavailable."""
     if not enabled():
         return None
     from torch.utils import cpp_extension

@@ -218,16 +218,20 @@ class Attention(nn.Module):
     ) -> Tensor:
         b, t, _ = x.shape
         qk, v = self.project(x)
-        kernels = compiled_kernels(qk) if self.qk_norm else None
-        if kernels is not None:
+        kernels = compiled_kernels(qk) if cache.keys[layer].dtype == torch.float32 else None
+        if self.qk_norm and kernels is not None:
             qk = kernels.rms_norm(qk, self.qk_scale(), self.q_norm.eps)  # row r uses head r mod (heads + kv)
         elif self.qk_norm:
             # Per head: the same RMSNorm as q_norm / k_norm, over all q and k heads at once.
             dtype = qk.dtype
             qk = (F.rms_norm(qk.float(), (self.head_dim,), None, self.q_norm.eps) * self.qk_scale()).to(dtype)
-        qk = rotate(qk.transpose(1, 2), cos, sin)  # [b, heads + kv_heads, T, d]
-        q, k = qk[:, : self.heads], qk[:, self.heads :]
-        cache.write(layer, k, v.transpose(1, 2), slots)
+        if kernels is not None:
+            # One call: q and k rotated, k and v written to their cache slots.
+            q = kernels.rope_write(qk, v, cos, sin, cache.keys[layer], cache.values[layer], slots)
+        else:
+            qk = rotate(qk.transpose(1, 2), cos, sin)  # [b, heads + kv_heads, T, d]
+            q, k = qk[:, : self.heads], qk[:, self.heads :]
+            cache.write(layer, k, v.transpose(1, 2), slots)
         span = visible.shape[-1]
         keys = cache.keys[layer][:, :, :span]
         values = cache.values[layer][:, :, :span]
@@ -255,7 +259,11 @@ class MLP(nn.Module):
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            kernels = compiled_kernels(gate_up)
+            if kernels is not None:
+                return self.down_proj(kernels.gated_activation(gate_up, self.gelu))
+            gate, up = gate_up.chunk(2, dim=-1)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(gate * up)
 
@@ -288,10 +296,23 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache, layer, slots, visible):
         attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, visible)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(attn)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x, h = residual_norm(x, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+            return residual_norm(x, self.mlp(h), self.post_feedforward_layernorm, None)[0]
+        x, h = residual_norm(x, attn, None, self.post_attention_layernorm)
+        return x + self.mlp(h)
+
+
+def residual_norm(x: Tensor, y: Tensor, norm_y: RMSNorm | None, norm_out: RMSNorm | None):
+    """x + norm_y(y) (x + y without norm_y), and norm_out of that sum (None without norm_out):
+    a block's residual step and the next sublayer's input, one compiled call where it applies."""
+    kernels = compiled_kernels(x) if y.dtype == torch.float32 else None
+    if kernels is not None:
+        eps = (norm_y or norm_out).eps
+        out = kernels.residual_norm(x, y, None if norm_y is None else norm_y.scale(),
+                                    None if norm_out is None else norm_out.scale(), eps)
+        return out[0], (out[1] if norm_out is not None else None)
+    x = x + (y if norm_y is None else norm_y(y))
+    return x, (None if norm_out is None else norm_out(x))
 
 
 class Transformer(nn.Module):
