@@ -31,15 +31,15 @@ def test_int8_linear_compiled_equals_pytorch_path(kernels, out_features, in_feat
     x[5] *= 1e4  # a row with a far larger range
     with torch.inference_mode():
         reference = lin.forward_rows(x).clone()
-        compiled = lin.forward_rows_compiled(x, kernels)
+        compiled = lin.forward_compiled(x, kernels)
         assert torch.equal(compiled, reference)  # same integers, same fused rescaling: bit-identical
         assert torch.equal(compiled[2], lin.bias if bias else torch.zeros(out_features))
         # Row independence, the property speculative greedy decoding relies on.
         for i in range(len(x)):
-            assert torch.equal(lin.forward_rows_compiled(x[i : i + 1], kernels)[0], compiled[i])
+            assert torch.equal(lin.forward_compiled(x[i : i + 1], kernels)[0], compiled[i])
         # A long (prefill-sized) block gets a fresh buffer and the same rows.
         long = torch.cat([x, torch.randn(70, in_features, generator=g)])
-        assert torch.equal(lin.forward_rows_compiled(long, kernels)[:9], compiled)
+        assert torch.equal(lin.forward_compiled(long, kernels)[:9], compiled)
 
 
 def test_int8_planes_are_the_documented_integers(kernels):

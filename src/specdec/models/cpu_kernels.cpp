@@ -18,14 +18,14 @@ namespace {
 
 constexpr float kLevels = 63.0f;  // the activation grid of Int8Linear: integers in [-63, 63]
 
-// Int8Linear's two input planes (see models/quant.py). x: [n, K] float32. block: [1 + 2n', K]
+// Int8Linear's two input planes (see models/quant.py). x: [..., K] float32 (n rows). block: [1 + 2n', K]
 // float32 with n' >= n; row 0 (the guard) is left alone, rows 1..n get the high plane
 // round(x_r / s_r) and rows n+1..2n the low plane round((x_r / s_r - high) * 126), with
 // s_r = max|x_r| / 63 (at least FLT_MIN so a zero row stays zero). Returns s: [n, 1].
 torch::Tensor int8_planes(torch::Tensor x, torch::Tensor block) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "int8_planes: x must be [n, K] float32");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat, "int8_planes: x must be float32");
+  const int64_t k = x.size(-1), n = x.numel() / k;  // x: [..., K], read as [n, K]
   x = x.contiguous();
-  const int64_t n = x.size(0), k = x.size(1);
   TORCH_CHECK(block.scalar_type() == torch::kFloat && block.is_contiguous() && block.size(1) == k &&
                   block.size(0) >= 1 + 2 * n,
               "int8_planes: block must be [1 + 2n, K] float32");
@@ -53,14 +53,18 @@ torch::Tensor int8_planes(torch::Tensor x, torch::Tensor block) {
 }
 
 // Int8Linear's output from the kernel's integer sums. sums: [1 + 2n', N] (row 0 is the guard's),
-// scale: [n, 1] from int8_planes. out_r = (high_r + low_r / 126) * s_r (+ bias), with the sum as
-// one fused multiply-add, as PyTorch's vectorised add(alpha=...) computes it.
-torch::Tensor int8_combine(torch::Tensor sums, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
+// scale: [n, 1] from int8_planes; the output is shaped as the input x [..., K] with N for K.
+// out_r = (high_r + low_r / 126) * s_r (+ bias), with the sum as one fused multiply-add, as
+// PyTorch's vectorised add(alpha=...) computes it.
+torch::Tensor int8_combine(torch::Tensor sums, torch::Tensor scale, c10::optional<torch::Tensor> bias,
+                           torch::Tensor x) {
   TORCH_CHECK(sums.dim() == 2 && sums.scalar_type() == torch::kFloat, "int8_combine: sums must be 2-D float32");
   sums = sums.contiguous();
   const int64_t n = scale.size(0), cols = sums.size(1);
-  TORCH_CHECK(sums.size(0) >= 1 + 2 * n, "int8_combine: sums has too few rows");
-  auto out = torch::empty({n, cols}, sums.options());
+  TORCH_CHECK(sums.size(0) >= 1 + 2 * n && x.numel() / x.size(-1) == n, "int8_combine: sums has too few rows");
+  auto shape = x.sizes().vec();
+  shape.back() = cols;
+  auto out = torch::empty(shape, sums.options());
   const float alpha = static_cast<float>(1.0 / (2 * kLevels));
   const float* hs = sums.data_ptr<float>() + cols;
   const float* ls = hs + n * cols;

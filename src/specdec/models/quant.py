@@ -33,6 +33,7 @@ from . import cpu_kernels
 
 QUANT_MODES = ("none", "int8")
 _LEVELS = 63  # activation grid per plane: integers in [-63, 63] (7-bit, see the module doc)
+_linear_dynamic = torch.ops.quantized.linear_dynamic.default
 _REUSED_ROWS = 64  # input blocks of up to this many rows a plane reuse one buffer (`_input_block`)
 
 
@@ -73,6 +74,7 @@ class Int8Linear(nn.Module):
         guard[0, 0], guard[0, -1] = -float(_LEVELS + 1), float(_LEVELS)
         self.register_buffer("_guard", guard, persistent=False)
         self._block: Tensor | None = None  # the reused input block (`_input_block`)
+        self._views: dict[int, Tensor] = {}  # its leading [1 + 2n] rows, by n
 
     def int8_weight(self) -> Tensor:
         """The int8 values [N, K], e.g. for a tied embedding table (unpacked: a copy)."""
@@ -88,26 +90,28 @@ class Int8Linear(nn.Module):
         inference mode so that they can be filled in and out of it; a layer is run by one thread at
         a time (the engine's and the scheduler's loops are single-threaded).
         """
+        block = self._views.get(n)
+        if block is not None:
+            return block
         if n <= _REUSED_ROWS and self._block is not None and self._block.shape[0] >= 1 + 2 * n:
-            return self._block[: 1 + 2 * n]
+            block = self._views[n] = self._block[: 1 + 2 * n]
+            return block
         with torch.inference_mode(False):
             block = torch.cat([self._guard.clone(), torch.zeros(2 * n, self.in_features)])
         if n <= _REUSED_ROWS:
-            self._block = block
+            self._block, self._views = block, {n: block}  # views of a smaller buffer are dropped
         return block
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in_features]
+        kernels = cpu_kernels.load()
+        if kernels is not None and x.dtype == torch.float32 and not x.is_cuda:
+            return self.forward_compiled(x, kernels)
         lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.float32:
-            rows = rows.float()
-        kernels = cpu_kernels.load() if not rows.is_cuda else None
-        out = self.forward_rows(rows) if kernels is None else self.forward_rows_compiled(rows, kernels)
-        out = out.view(*lead, self.out_features)
+        out = self.forward_rows(x.reshape(-1, self.in_features).float()).view(*lead, self.out_features)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def forward_rows(self, rows: Tensor) -> Tensor:  # rows: [n, in] float32 -> [n, out]
-        """The PyTorch path (the reference for `forward_rows_compiled`)."""
+        """The PyTorch path, [n, in] float32 rows (the reference for `forward_compiled`)."""
         n = rows.shape[0]
         # Per-row grid: s_r = max|x_r| / 63 (a zero row keeps a tiny scale and stays zero).
         row_scale = rows.abs().amax(dim=1, keepdim=True).div_(_LEVELS).clamp_(min=torch.finfo(torch.float32).tiny)
@@ -121,17 +125,18 @@ class Int8Linear(nn.Module):
         # The guard row pins the kernel's own quantisation range to [-64, 63] (scale 1, zero point
         # 64 with reduce_range): integer inputs pass through exactly, so the products are exact
         # integer sums scaled per output channel, and each row's result is independent of the others.
-        sums = torch.ops.quantized.linear_dynamic(block, self._packed, True)
+        sums = _linear_dynamic(block, self._packed, True)
         out = torch.add(sums[1 : 1 + n], sums[1 + n :], alpha=1 / (2 * _LEVELS)).mul_(row_scale)  # [n, N]
         return out if self.bias is None else out.add_(self.bias)
 
-    def forward_rows_compiled(self, rows: Tensor, kernels) -> Tensor:
+    def forward_compiled(self, x: Tensor, kernels) -> Tensor:  # x: [..., in] float32 -> [..., out]
         """`forward_rows` with the planes and the rescaling done by the compiled kernels: three
-        calls instead of ~15 PyTorch ops, the same integers into the same fbgemm kernel."""
-        block = self._input_block(rows.shape[0])
-        row_scale = kernels.int8_planes(rows, block)  # [n, 1]
-        sums = torch.ops.quantized.linear_dynamic(block, self._packed, True)
-        return kernels.int8_combine(sums, row_scale, self.bias)
+        calls instead of ~15 PyTorch ops, the same integers into the same fbgemm kernel. (A decode
+        step makes ~70 of these calls, so this path is kept free of Python-side tensor ops.)"""
+        block = self._input_block(x.numel() // self.in_features)
+        row_scale = kernels.int8_planes(x, block)  # [n, 1]
+        sums = _linear_dynamic(block, self._packed, True)
+        return kernels.int8_combine(sums, row_scale, self.bias, x)
 
 
 def linear_rows(linear: nn.Module, ids: Tensor) -> Tensor:

@@ -104,7 +104,7 @@ def inference_constant(owner: nn.Module, name: str, sources: tuple[Tensor, ...],
     """
     if not torch.is_inference_mode_enabled():
         return compute()
-    key = tuple((t.data_ptr(), -1 if t.is_inference() else t._version) for t in sources)
+    key = [(t.data_ptr(), -1 if t.is_inference() else t._version) for t in sources]  # a list: cheaper to build
     memo = owner.__dict__.get(name)
     if memo is None or memo[0] != key:
         memo = owner.__dict__[name] = (key, compute())
