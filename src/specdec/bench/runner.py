@@ -299,6 +299,10 @@ class LlamaCppRunner:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             kwargs["draft_model"] = LlamaPromptLookupDecoding(max_ngram_size=o["n"], num_pred_tokens=o["k"])
+            # Drafting needs every position's logits; llama-cpp-python 0.3.x turns that on for a
+            # draft model but sizes its logits buffer from the argument, so a prompt longer than
+            # one batch overflows it unless the argument says so too.
+            kwargs["logits_all"] = True
         self.config = config
         self.llm = llama_cpp.Llama(**kwargs)
         self.eos = set(eos_ids) | {int(self.llm.token_eos())}
