@@ -38,9 +38,10 @@ def _parser() -> argparse.ArgumentParser:
                           "step, -1 otherwise")
     gen.add_argument("--verify-cost", type=float, default=None,
                      help="with --draft-length cost: a verify pass over k drafts costs 1 + OVERHEAD + COST*k "
-                          "one-token passes; this is COST (default: 0.14 CPU float32, 0.1 CPU int8, 0.03 CUDA)")
+                          "one-token passes; this is COST (default: measured for CPU float32, CPU int8 "
+                          "and CUDA; README, Draft length)")
     gen.add_argument("--verify-overhead", type=float, default=None,
-                     help="... and this OVERHEAD (default: 0.5 CPU float32, 0 CPU int8 and CUDA)")
+                     help="... and this OVERHEAD (default: measured, as for --verify-cost)")
     gen.add_argument("--tree", metavar="DEPTHxTOPKxBUDGET", default=None,
                      help="draft token trees instead of chains (eagle, ngram): DEPTH levels, up to TOPK "
                           "candidates per node, at most BUDGET nodes scored in one target pass, e.g. 4x3x12; "

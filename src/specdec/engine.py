@@ -113,9 +113,10 @@ def _no_trees(name: str) -> InvalidRequestError:
 DRAFT_LENGTHS = ("fixed", "adaptive", "cost")
 # The cost-aware draft length's step-cost model, 1 + overhead + cost * k for a verify pass over k
 # drafts, in plain steps (see `CostAwareDraftLength`). Measured on the 2-core AVX2 CPU with the
-# default model (a pass over T tokens after a 100-token context, relative to T = 1): float32 1.73 at
-# T = 2, 2.31 at T = 6, 2.60 at T = 9 (its matrix products leave their one-row fast path); int8
-# 0.96-1.13 up to T = 5, 1.35 at T = 6, 2.1 at T = 9. A GPU scores a few tokens for about one.
+# default model (a pass over T tokens relative to T = 1): float32 1.73 at T = 2, 2.31 at T = 6, 2.60
+# at T = 9 after a 100-token context (its matrix products leave their one-row fast path); int8, with
+# the compiled CPU kernels, after a 400-token context: 1.02 at T = 2, 1.51 at T = 4, 1.88 at T = 6,
+# 2.16 at T = 9 (BENCHMARKS.md, evening run). A GPU scores a few tokens for about one.
 DEFAULT_VERIFY_COSTS = {  # (overhead, cost per draft token)
     "cpu": (0.5, 0.14),
     "cpu-int8": (0.0, 0.16),

@@ -250,9 +250,8 @@ class CostAwareDraftLength:
     """Per kind of proposal, the draft length with the best expected speedup (Leviathan et al.).
 
     A verify step over k >= 1 drafts costs about 1 + c0 + c k plain steps (`verify_overhead` = c0,
-    what scoring more than one token costs at all; `verify_cost` = c, the price of each more token:
-    on a 2-core AVX2 CPU c0 ~ 0.5 and c ~ 0.14 in float32, whose matrix products leave their
-    one-row fast path, against c0 ~ 0 and c ~ 0.1 with int8 weights; a GPU is near c0 = 0, c = 0.03)
+    what scoring more than one token costs at all; `verify_cost` = c, the price of each more token;
+    the engine's measured defaults per device and quantisation are in `engine.DEFAULT_VERIFY_COSTS`)
     and yields (1 - a^(k+1)) / (1 - a) tokens on average when each draft is accepted with
     probability a once its predecessors were. So the best k maximises
 

@@ -61,7 +61,8 @@ torch::Tensor int8_combine(torch::Tensor sums, torch::Tensor scale, c10::optiona
   TORCH_CHECK(sums.dim() == 2 && sums.scalar_type() == torch::kFloat, "int8_combine: sums must be 2-D float32");
   sums = sums.contiguous();
   const int64_t n = scale.size(0), cols = sums.size(1);
-  TORCH_CHECK(sums.size(0) >= 1 + 2 * n && x.numel() / x.size(-1) == n, "int8_combine: sums has too few rows");
+  TORCH_CHECK(sums.size(0) >= 1 + 2 * n, "int8_combine: sums has too few rows");
+  TORCH_CHECK(x.numel() / x.size(-1) == n, "int8_combine: x and scale differ in rows");
   auto shape = x.sizes().vec();
   shape.back() = cols;
   auto out = torch::empty(shape, sums.options());
