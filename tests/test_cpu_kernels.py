@@ -42,6 +42,28 @@ def test_int8_linear_compiled_equals_pytorch_path(kernels, out_features, in_feat
         assert torch.equal(lin.forward_compiled(long, kernels)[:9], compiled)
 
 
+@pytest.mark.skipif(not cpu_int8_available(), reason="needs PyTorch's fbgemm CPU backend")
+@pytest.mark.parametrize("out_features, in_features, bias", [(3000, 640, False), (500, 40, True), (257, 100, False)])
+def test_int8_columns_are_bit_identical_to_the_full_output(kernels, out_features, in_features, bias):
+    # What greedy screening relies on: a column scored alone equals that column of the full product.
+    # (640: the vector loop; 40 and 100: its scalar tail too.)
+    g = torch.Generator().manual_seed(in_features)
+    lin = Int8Linear(torch.randn(out_features, in_features, generator=g) * 0.05,
+                     torch.randn(out_features, generator=g) if bias else None)
+    x = torch.randn(2, 4, in_features, generator=g) * 3
+    x[0, 1] = 0.0
+    x[1, 2] *= 1e4
+    ids = torch.randperm(out_features, generator=g)[:200].sort().values
+    with torch.inference_mode():
+        full = lin(x)
+        columns = lin.forward_columns(x, ids)
+        assert columns.shape == (2, 4, len(ids))
+        assert torch.equal(columns, full[..., ids])
+        assert torch.equal(lin.forward_columns(x[1, 3], ids[:1]), full[1, 3, ids[:1]])  # one row, one column
+    with pytest.raises(RuntimeError, match="out of range"):
+        lin.forward_columns(x, torch.tensor([out_features]))
+
+
 def test_int8_planes_are_the_documented_integers(kernels):
     x = torch.tensor([[0.5, -1.0, 0.26, 0.0]])
     block = torch.full((3, 4), 7.0)

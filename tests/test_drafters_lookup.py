@@ -274,21 +274,24 @@ def test_adaptive_draft_length_invalid():
 # -- CostAwareDraftLength --------------------------------------------------------------------------
 
 
-def expected_speedup(a: float, k: int, c: float, c0: float) -> float:
-    """Leviathan et al.'s expected tokens per unit of cost, written out as a sum."""
-    return sum(a**i for i in range(k + 1)) / (1 + (c0 + c * k if k else 0))
+def expected_speedup(a: float, k: int, c: float, c0: float, f: float = 0.0) -> float:
+    """Leviathan et al.'s expected tokens per unit of cost, written out as sums; a share f of each
+    token's cost is paid only for the rows reached by acceptance (a^1 .. a^k of them)."""
+    rows_reached = sum(a**i for i in range(1, k + 1))
+    return sum(a**i for i in range(k + 1)) / (1 + (c0 + c * ((1 - f) * k + f * rows_reached) if k else 0))
 
 
-@pytest.mark.parametrize("c,c0", [(0.03, 0.0), (0.2, 0.0), (0.5, 0.0), (0.14, 0.5)])
-def test_cost_aware_length_maximises_the_expected_speedup(c, c0):
-    rule = CostAwareDraftLength(k_max=12, verify_cost=c, verify_overhead=c0)
+@pytest.mark.parametrize("c,c0,f", [(0.03, 0.0, 0.0), (0.2, 0.0, 0.0), (0.5, 0.0, 0.0), (0.14, 0.5, 0.0),
+                                    (0.16, 0.0, 0.45), (0.5, 0.2, 0.9)])
+def test_cost_aware_length_maximises_the_expected_speedup(c, c0, f):
+    rule = CostAwareDraftLength(k_max=12, verify_cost=c, verify_overhead=c0, screened_share=f)
     rng = random.Random(0)
     for _ in range(200):
         proposed = rng.randint(1, 12)
         rule.update(proposed, rng.randint(0, proposed), source=rng.choice([1, 2, 3]))
     for source in (1, 2, 3, "never seen"):
         a = rule.acceptance(source)
-        best = max(range(13), key=lambda k: (expected_speedup(a, k, c, c0), -k))
+        best = max(range(13), key=lambda k: (expected_speedup(a, k, c, c0, f), -k))
         assert rule.next_k(source) == best
 
 
@@ -313,6 +316,8 @@ def test_cost_aware_length_invalid():
         CostAwareDraftLength(k_max=4, verify_cost=0)
     with pytest.raises(InvalidRequestError):
         CostAwareDraftLength(k_max=4, verify_cost=0.2, verify_overhead=-1)
+    with pytest.raises(InvalidRequestError, match="screened_share"):
+        CostAwareDraftLength(k_max=4, verify_cost=0.2, screened_share=1.0)
     with pytest.raises(ValueError):
         CostAwareDraftLength(k_max=4, verify_cost=0.2).update(2, 3)
 

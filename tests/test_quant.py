@@ -60,11 +60,25 @@ def test_int8_model_close_and_speculative_greedy_identical(tmp_path, family):
     assert top_agree > 0.9
     plain = Engine(model, None)
     spec = Engine(model, None, NgramDrafter(), 5)
+    full_head = Engine(model, None, NgramDrafter(), 5, screen_verify=False)
+    assert spec.screen_verify and not full_head.screen_verify
+    # Count the rows the full output head scores in verify passes, to see the screen cut some.
+    head_rows = []
+    model_head = model.head
+    model.head = lambda hidden: head_rows.append(hidden.shape[0]) or model_head(hidden)
+    screened = 0
     for seed in range(3):
         prompt = torch.randint(0, 20, (10,), generator=torch.Generator().manual_seed(seed)).tolist() * 2
         x = plain.generate(prompt_ids=prompt, max_new_tokens=40)
+        head_rows.clear()
         y = spec.generate(prompt_ids=prompt, max_new_tokens=40)
-        assert x.token_ids == y.token_ids
+        steps = [s for s in y.steps if s.kind != "prefill"]
+        assert len(head_rows) == 1 + len(steps)  # the prefill's row, then one head call a step
+        screened += sum(n < s.drafted + 1 for n, s in zip(head_rows[1:], steps))
+        z = full_head.generate(prompt_ids=prompt, max_new_tokens=40)
+        assert x.token_ids == y.token_ids == z.token_ids
+        assert [s.accepted for s in y.steps] == [s.accepted for s in z.steps]
+    assert screened, "the screen never cut a verify pass short"
 
 
 def test_bad_quantize_values():

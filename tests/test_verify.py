@@ -13,7 +13,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.sampling import SamplingParams, make_generator, process_logits, sample
-from specdec.verify import Verdict, verify_greedy, verify_sampling
+from specdec.verify import Verdict, first_proven_rejection, verify_greedy, verify_greedy_rows, verify_sampling
 
 # ---------------------------------------------------------------- hand-made cases
 
@@ -21,6 +21,49 @@ from specdec.verify import Verdict, verify_greedy, verify_sampling
 def test_verdict_properties():
     v = Verdict([3, 1], 4, "recovered")
     assert v.num_accepted == 2 and v.tokens == [3, 1, 4]
+
+
+def test_screened_rejection_is_certain_and_ties_go_to_the_lowest_id():
+    # Columns [2, 5, 7]; draft [5, 7, 2, 5]. Row 0: 5 wins its screen (no proof). Row 1: 5 beats 7.
+    ids = torch.tensor([2, 5, 7])
+    cols = torch.tensor([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    assert first_proven_rejection(cols, ids, [5, 7, 2, 5]) == 1
+    # A tie between 2 and 5 rejects 5 (2 has the lower id) but not 2.
+    tie = torch.tensor([[1.0, 1.0, 0.0]])
+    assert first_proven_rejection(tie, ids, [5]) == 0
+    assert first_proven_rejection(tie, ids, [2]) == 1
+    # An unscreened draft token proves nothing: the next screened row decides.
+    assert first_proven_rejection(cols[:2], ids, [9, 7]) == 1
+    assert first_proven_rejection(cols[:1], ids, [9]) == 1
+    assert first_proven_rejection(cols[:0], ids, []) == 0
+
+
+def test_greedy_on_screened_rows_gives_the_full_verdict():
+    # Random logits with many near-ties, drafts that partly follow the argmax, random screens that
+    # hold the drafts: verifying rows 0..j only must give verify_greedy's verdict on all rows.
+    g = torch.Generator().manual_seed(0)
+    vocab = 12
+    checked_short = 0
+    for trial in range(400):
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        logits = torch.randint(0, 4, (k + 1, vocab), generator=g).float()  # integers: many ties
+        best = logits.argmax(-1).tolist()
+        draft = [best[i] if torch.rand(1, generator=g) < 0.7 else int(torch.randint(0, vocab, (1,), generator=g))
+                 for i in range(k)]
+        screen = set(torch.randperm(vocab, generator=g)[: int(torch.randint(1, vocab, (1,), generator=g))].tolist())
+        ids = torch.tensor(sorted(screen.union(draft)))
+        j = first_proven_rejection(logits[:, ids], ids, draft)
+        assert verify_greedy_rows(logits[: j + 1], draft) == verify_greedy(logits, draft)
+        checked_short += j < k
+    assert checked_short > 50  # the screen did cut rows in many trials
+
+
+def test_greedy_rows_refuses_a_screen_that_was_wrong():
+    logits = torch.tensor([[0.0, 1.0], [0.0, 1.0]])  # the target takes token 1 at row 0
+    with pytest.raises(RuntimeError, match="screened as rejected"):
+        verify_greedy_rows(logits[:1], [1])  # row 0 claimed rejected, but it accepts 1
+    with pytest.raises(ValueError):
+        verify_greedy_rows(logits, [])
 
 
 def test_full_acceptance_gives_bonus():

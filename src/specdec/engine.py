@@ -23,8 +23,8 @@ from .models import loader
 from .models.transformer import Transformer
 from .sampling import SamplingParams, make_generator, process_logits, sample
 from .tokenizer import Detokenizer, Tokenizer
-from .verify import TokenTree, TreeVerdict, Verdict, verify_greedy, verify_sampling, verify_tree_greedy, \
-    verify_tree_sampling
+from .verify import TokenTree, TreeVerdict, Verdict, first_proven_rejection, verify_greedy, verify_greedy_rows, \
+    verify_sampling, verify_tree_greedy, verify_tree_sampling
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -122,6 +122,10 @@ DEFAULT_VERIFY_COSTS = {  # (overhead, cost per draft token)
     "cpu-int8": (0.0, 0.16),
     "cuda": (0.0, 0.03),
 }
+# The output head's share of that per-token cost, which greedy screening pays only for rows up to
+# the first rejection (`CostAwareDraftLength.screened_share`). int8, 400-token context: the head
+# grows by ~0.08 plain steps a row and the rest of the pass by ~0.095 (BENCHMARKS.md, 3 December).
+SCREENED_SHARE = {"cpu-int8": 0.45}
 
 
 def default_draft_length(draft_length: str | None, tree) -> str:
@@ -255,6 +259,7 @@ class Engine:
         draft_tree: TreeShape | str | None = None,
         verify_cost: float | None = None,
         verify_overhead: float | None = None,
+        screen_verify: bool = True,
     ):
         if num_speculative_tokens < 1:
             raise InvalidRequestError("num_speculative_tokens must be >= 1", "num_speculative_tokens")
@@ -274,6 +279,9 @@ class Engine:
         self.draft_length = draft_length
         self.draft_tree: TreeShape | None = tree
         self.verify_cost, self.verify_overhead = verify_cost, verify_overhead
+        # Greedy chains on a target whose head can score chosen columns exactly (int8 on the CPU)
+        # are verified with the head's full product only up to the first certain rejection.
+        self.screen_verify = screen_verify and self._head_columns_exact()
 
     @classmethod
     def load(
@@ -290,6 +298,7 @@ class Engine:
         draft_tree: TreeShape | str | None = None,
         verify_cost: float | None = None,
         verify_overhead: float | None = None,
+        screen_verify: bool = True,
     ) -> "Engine":
         """Load a target (and drafter) ready to generate.
 
@@ -324,7 +333,7 @@ class Engine:
         if draft_path:
             made = make_drafter(drafter, model, tokenizer, draft_p_min, progress)
         return cls(model, tokenizer, made, num_speculative_tokens, draft_length, draft_tree, verify_cost,
-                   verify_overhead)
+                   verify_overhead, screen_verify)
 
     @property
     def device(self) -> torch.device:
@@ -359,7 +368,7 @@ class Engine:
         out = _Output(self.tokenizer, cfg.eos_token_ids, stop, max_new_tokens)
         steps: list[Step] = []
         emit = on_text or (lambda delta: None)
-        length = self._draft_length_rule()
+        length = self._draft_length_rule(sampling.greedy)
 
         start = time.perf_counter()
         # Room for the longest verify block: the lead token + k chain drafts or `budget` tree nodes.
@@ -391,9 +400,13 @@ class Engine:
             positions = base + torch.tensor([[0] + tree.depths()], device=self.device)
             # A path needs only the causal mask; a tree lets each node see just its ancestors.
             mask = None if tree.is_chain else tree.mask()[None].to(self.device)
-            logits, hidden = self.model(block, positions, cache, mask=mask)
+            screen = self.screen_verify and sampling.greedy and tree.is_chain and len(tree) > 0
+            logits, hidden = self.model(block, positions, cache, mask=mask, last_n=0 if screen else None)
             stats.target_forwards += 1
-            verdict = self._verify_tree(logits[0], tree, q, sampling, generator)
+            if screen:
+                verdict = self._verify_screened(hidden[0], tree.tokens, context)
+            else:
+                verdict = self._verify_tree(logits[0], tree, q, sampling, generator)
             # Roll back: keep the lead token and the accepted path; the verdict's next token leads
             # the following block. A chain's path is a prefix of the block, so moving the length is
             # enough; a tree's path is packed into consecutive slots first.
@@ -453,7 +466,7 @@ class Engine:
         q = None if proposal.q is None else proposal.q[: len(draft)]
         return verify_sampling(process_logits(logits, sampling), q, draft, generator)
 
-    def _draft_length_rule(self) -> AdaptiveDraftLength | CostAwareDraftLength | None:
+    def _draft_length_rule(self, greedy: bool) -> AdaptiveDraftLength | CostAwareDraftLength | None:
         """This request's draft-length rule (fresh per request, so a seeded request reproduces)."""
         if self.draft_length == "adaptive":
             return AdaptiveDraftLength(self.k, max(self.k, 16))
@@ -461,7 +474,8 @@ class Engine:
             overhead, cost = DEFAULT_VERIFY_COSTS[self._hardware_kind()]
             cost = cost if self.verify_cost is None else self.verify_cost
             overhead = overhead if self.verify_overhead is None else self.verify_overhead
-            return CostAwareDraftLength(self.k, cost, overhead)
+            share = SCREENED_SHARE.get(self._hardware_kind(), 0.0) if self.screen_verify and greedy else 0.0
+            return CostAwareDraftLength(self.k, cost, overhead, share)
         return None
 
     def _hardware_kind(self) -> str:
@@ -501,6 +515,29 @@ class Engine:
             k = min(k, length.next_k(proposal.source))
         q = None if proposal.q is None else proposal.q[:k]
         return TokenTree.chain(proposal.tokens[:k]), q, proposal.source
+
+    def _head_columns_exact(self) -> bool:
+        """Whether the target's head scores chosen columns bit-identically (`head_columns`)."""
+        probe = torch.zeros(1, self.model.config.hidden_size, dtype=self.model.embed_tokens.weight.dtype,
+                            device=self.device)
+        with torch.inference_mode():
+            return self.model.head_columns(probe, torch.zeros(1, dtype=torch.long, device=self.device)) is not None
+
+    def _verify_screened(self, hidden: torch.Tensor, draft: list[int], context: list[int]) -> TreeVerdict:
+        """Greedy verification of a chain that computes the full output head only on the rows that
+        can matter. hidden: [len(draft) + 1, hidden size], the verify block's final hidden states.
+
+        The block's rows are first scored on a few hundred columns: every token of the context and
+        of the draft (where a greedy target's next token mostly is). A row whose draft token loses
+        there is certainly rejected (`first_proven_rejection`), so no later row is needed; the
+        full head (262k columns for Gemma 3, most of a one-token step) then runs on the rows up to
+        it only. Same verdict as scoring every row (`verify_greedy_rows`).
+        """
+        ids = torch.tensor(sorted(set(context).union(draft)), device=hidden.device)
+        columns = self.model.head_columns(hidden[: len(draft)], ids)
+        rows = len(draft) if columns is None else first_proven_rejection(columns, ids, draft)
+        v = verify_greedy_rows(self.model.head(hidden[: rows + 1]), draft)
+        return TreeVerdict(v.accepted, v.next_token, v.kind, path=list(range(v.num_accepted)))
 
     @staticmethod
     def _verify_tree(logits, tree: TokenTree, q, sampling, generator) -> TreeVerdict:

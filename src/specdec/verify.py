@@ -71,6 +71,53 @@ def verify_greedy(target_logits: Tensor, draft: list[int]) -> Verdict:
     return Verdict(list(draft), best[len(draft)], "bonus")
 
 
+def first_proven_rejection(column_logits: Tensor, column_ids: Tensor, draft: list[int]) -> int:
+    """The first draft position that the target is certain to reject, judged from a few columns
+    of its logits; len(draft) when none is certain. Lets greedy verification pay for the full
+    output head only on rows up to that position (`verify_greedy_rows`).
+
+    column_logits: Tensor  # [>= k, m] the target's logits for the ids `column_ids`, row i after
+                           # context + draft[:i], bit-identical to those columns of the full row
+    column_ids: Tensor  # [m] int64, strictly increasing
+    draft: k token ids
+
+    Why a screened rejection is certain. Greedy verification accepts draft[i] iff it is the full
+    row's argmax, ties going to the lowest id. Let a be the argmax over the screened columns (the
+    lowest id among their maxima, since the ids increase) and suppose draft[i] is screened too. If
+    a != draft[i], then either logit(a) > logit(draft[i]), so draft[i] is not a maximum of the full
+    row, or the two are equal and a < draft[i], so a maximum with a lower id exists. Either way the
+    full row's argmax is not draft[i]. (The converse does not hold: an unscreened id may beat a
+    draft token that wins among the screened ones, so acceptance is never decided here.)
+    """
+    k = len(draft)
+    if k == 0:
+        return 0
+    best = column_ids[column_logits[:k].argmax(-1)].tolist()  # [k]
+    screened = torch.isin(torch.tensor(draft, device=column_ids.device), column_ids).tolist()
+    for i, token in enumerate(draft):
+        if screened[i] and best[i] != token:
+            return i
+    return k
+
+
+def verify_greedy_rows(target_logits: Tensor, draft: list[int]) -> Verdict:
+    """`verify_greedy` when only rows 0..j of the target's logits were computed, j being
+    `first_proven_rejection` (j = len(draft): every row; j < len(draft): draft[j] is certainly
+    rejected, so no row after it can matter). Gives the verdict `verify_greedy` gives on all rows.
+
+    target_logits: Tensor  # [j + 1, vocab]
+    """
+    j = target_logits.shape[0] - 1
+    if target_logits.dim() != 2 or not 0 <= j <= len(draft):
+        raise ValueError(f"target_logits must be [j + 1, vocab] with j <= {len(draft)}, got {list(target_logits.shape)}")
+    verdict = verify_greedy(target_logits, draft[:j])
+    if verdict.kind == "bonus" and j < len(draft):
+        if verdict.next_token == draft[j]:  # cannot happen when j came from a bit-identical screen
+            raise RuntimeError(f"draft position {j} was screened as rejected, but the full row accepts it")
+        return Verdict(verdict.accepted, verdict.next_token, "recovered")
+    return verdict
+
+
 def verify_sampling(p: Tensor, q: Tensor | None, draft: list[int], generator: torch.Generator) -> Verdict:
     """Speculative (rejection) sampling of a chain draft; see the module docstring for the math.
 

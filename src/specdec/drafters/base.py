@@ -257,6 +257,11 @@ class CostAwareDraftLength:
 
         (1 - a^(k+1)) / ((1 - a) (1 + c0 + c k))      over k = 1 .. k_max,
 
+    When greedy verification screens its rows (`Engine._verify_screened`), a share f
+    (`screened_share`) of each token's price, the output head's, is paid only for the rows up
+    to the first rejection: a + a^2 + ... + a^k of them on average. The cost is then
+    1 + c0 + c ((1 - f) k + f (a + ... + a^k)), which makes a long draft of an uncertain kind cheaper.
+
     against 1 for k = 0 (no drafting: a plain step), which wins when a is low. The acceptance a is measured per kind of
     proposal (`Proposal.source`): for the lookup drafters the length of the matched n-gram, since
     a guess that follows a one-token match is a far weaker one than a guess after a four-token
@@ -270,6 +275,7 @@ class CostAwareDraftLength:
     k_max: int
     verify_cost: float
     verify_overhead: float = 0.0
+    screened_share: float = 0.0
     prior_accepted: float = 1.5
     prior_rejected: float = 1.0
 
@@ -282,6 +288,9 @@ class CostAwareDraftLength:
         if not self.verify_overhead >= 0:
             raise InvalidRequestError(f"verify_overhead must be >= 0, got {self.verify_overhead!r}",
                                       param="verify_overhead")
+        if not 0 <= self.screened_share < 1:
+            raise InvalidRequestError(f"screened_share must be in [0, 1), got {self.screened_share!r}",
+                                      param="screened_share")
         self._counts: dict[object, list[float]] = {}  # source -> [accepted tokens, rejections]
 
     def acceptance(self, source: object = None) -> float:
@@ -290,11 +299,11 @@ class CostAwareDraftLength:
 
     def next_k(self, source: object = None) -> int:
         """The k in 0 .. k_max with the highest expected tokens per unit of step cost."""
-        a, c = self.acceptance(source), self.verify_cost
+        a, c, f = self.acceptance(source), self.verify_cost, self.screened_share
         best_k, best, expected = 0, 1.0, 1.0  # k = 0: one token for one plain step
         for k in range(1, self.k_max + 1):
             expected += a**k  # 1 + a + ... + a^k
-            value = expected / (1 + self.verify_overhead + c * k)
+            value = expected / (1 + self.verify_overhead + c * ((1 - f) * k + f * (expected - 1)))
             if value > best:
                 best_k, best = k, value
         return best_k

@@ -8,6 +8,11 @@
 // Compiled at first use by `cpu_kernels.py`; the Python paths they replace stay as the reference.
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cfloat>
@@ -18,10 +23,26 @@ namespace {
 
 constexpr float kLevels = 63.0f;  // the activation grid of Int8Linear: integers in [-63, 63]
 
-// Int8Linear's two input planes (see models/quant.py). x: [..., K] float32 (n rows). block: [1 + 2n', K]
-// float32 with n' >= n; row 0 (the guard) is left alone, rows 1..n get the high plane
-// round(x_r / s_r) and rows n+1..2n the low plane round((x_r / s_r - high) * 126), with
-// s_r = max|x_r| / 63 (at least FLT_MIN so a zero row stays zero). Returns s: [n, 1].
+// One row's two planes (see models/quant.py): high = round(x / s), low = round((x / s - high) * 126),
+// s = max|x| / 63 (at least FLT_MIN so a zero row stays zero). T: float (the planes fed to fbgemm)
+// or int16_t (`int8_columns`); both hold the same integers. Returns s.
+template <typename T>
+inline float row_planes(const float* row, int64_t k, T* high, T* low) {
+  float peak = 0.0f;
+  for (int64_t i = 0; i < k; ++i) peak = std::max(peak, std::fabs(row[i]));
+  const float s = std::max(peak / kLevels, FLT_MIN);
+  for (int64_t i = 0; i < k; ++i) {
+    const float v = row[i] / s;
+    const float hv = std::nearbyint(v);  // round half to even, as torch.round
+    high[i] = static_cast<T>(hv);
+    low[i] = static_cast<T>(std::nearbyint((v - hv) * (2 * kLevels)));
+  }
+  return s;
+}
+
+// Int8Linear's two input planes. x: [..., K] float32 (n rows). block: [1 + 2n', K] float32 with
+// n' >= n; row 0 (the guard) is left alone, rows 1..n get the high plane and rows n+1..2n the low
+// plane of `row_planes`. Returns s: [n, 1].
 torch::Tensor int8_planes(torch::Tensor x, torch::Tensor block) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat, "int8_planes: x must be float32");
   const int64_t k = x.size(-1), n = x.numel() / k;  // x: [..., K], read as [n, K]
@@ -34,21 +55,7 @@ torch::Tensor int8_planes(torch::Tensor x, torch::Tensor block) {
   float* high = block.data_ptr<float>() + k;
   float* low = high + n * k;
   float* ss = scale.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r) {
-    const float* row = xs + r * k;
-    float peak = 0.0f;
-    for (int64_t i = 0; i < k; ++i) peak = std::max(peak, std::fabs(row[i]));
-    const float s = std::max(peak / kLevels, FLT_MIN);
-    ss[r] = s;
-    float* h = high + r * k;
-    float* l = low + r * k;
-    for (int64_t i = 0; i < k; ++i) {
-      const float v = row[i] / s;
-      const float hv = std::nearbyint(v);  // round half to even, as torch.round
-      h[i] = hv;
-      l[i] = std::nearbyint((v - hv) * (2 * kLevels));
-    }
-  }
+  for (int64_t r = 0; r < n; ++r) ss[r] = row_planes(xs + r * k, k, high + r * k, low + r * k);
   return scale;
 }
 
@@ -86,6 +93,94 @@ torch::Tensor int8_combine(torch::Tensor sums, torch::Tensor scale, c10::optiona
     if (bs != nullptr)
       for (int64_t c = 0; c < cols; ++c) o[c] += bs[c];
   }
+  return out;
+}
+
+// Dot products of one int8 weight row with a row's two int16 planes: the exact integer sums.
+inline void plane_dots(const int8_t* w, const int16_t* high, const int16_t* low, int64_t k, int32_t* sh,
+                       int32_t* sl) {
+  int64_t i = 0;
+  int32_t h = 0, l = 0;
+#if defined(__AVX2__)
+  __m256i ah = _mm256_setzero_si256(), al = _mm256_setzero_si256();
+  for (; i + 16 <= k; i += 16) {
+    // 16 weights widened to int16; madd multiplies pairs and adds them into 8 int32 lanes. No lane
+    // can overflow: |w| <= 127 and |plane| <= 63, so a lane stays below 2^31 up to k ~ 2^21.
+    const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
+    ah = _mm256_add_epi32(ah, _mm256_madd_epi16(wv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + i))));
+    al = _mm256_add_epi32(al, _mm256_madd_epi16(wv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + i))));
+  }
+  alignas(32) int32_t lanes[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), ah);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes + 8), al);
+  for (int j = 0; j < 8; ++j) {
+    h += lanes[j];
+    l += lanes[8 + j];
+  }
+#endif
+  for (; i < k; ++i) {
+    h += static_cast<int32_t>(w[i]) * high[i];
+    l += static_cast<int32_t>(w[i]) * low[i];
+  }
+  *sh = h;
+  *sl = l;
+}
+
+// Chosen output columns of an Int8Linear, bit-identical to the same columns of its full output.
+// x: [..., K] float32 (n rows); q: [N, K] int8 weights; ws: [N] their scales; ids: [m] int64 columns;
+// bias: [N] or none. Returns [..., m].
+//
+// Why it is exact. The full path feeds the planes of `row_planes` to fbgemm, whose integer sums
+// are exact, and fbgemm's float output of a sum is float(sum) * ws[c] (its input scale is exactly 1);
+// `int8_combine` then computes fma(low, 1/126, high) * s (+ bias). Here the same integer sums are
+// taken from the int8 rows directly and go through the same float operations in the same order.
+// (Used to screen a verify pass's rows against a few thousand candidate tokens before paying for
+// the 262k-row output head: see Transformer.head_columns.)
+torch::Tensor int8_columns(torch::Tensor x, torch::Tensor q, torch::Tensor ws, torch::Tensor ids,
+                           c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat, "int8_columns: x must be float32");
+  TORCH_CHECK(q.scalar_type() == torch::kChar && q.dim() == 2 && q.is_contiguous(), "int8_columns: q must be contiguous [N, K] int8");
+  TORCH_CHECK(ws.scalar_type() == torch::kFloat && ws.is_contiguous() && ws.numel() == q.size(0), "int8_columns: ws must be [N] float32");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, "int8_columns: ids must be 1-D int64");
+  x = x.contiguous();
+  ids = ids.contiguous();
+  const int64_t k = x.size(-1), n = x.numel() / k, m = ids.numel(), cols = q.size(0);
+  TORCH_CHECK(q.size(1) == k, "int8_columns: x and q differ in input size");
+  const int64_t* is = ids.data_ptr<int64_t>();
+  for (int64_t j = 0; j < m; ++j) TORCH_CHECK(is[j] >= 0 && is[j] < cols, "int8_columns: id out of range");
+  torch::Tensor b;
+  const float* bs = nullptr;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    bs = b.data_ptr<float>();
+  }
+  auto shape = x.sizes().vec();
+  shape.back() = m;
+  auto out = torch::empty(shape, x.options());
+  std::vector<int16_t> planes(2 * n * k);  // row r: high at 2r, low at 2r + 1
+  std::vector<float> scale(n);
+  const float* xs = x.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r)
+    scale[r] = row_planes(xs + r * k, k, planes.data() + 2 * r * k, planes.data() + (2 * r + 1) * k);
+  const int8_t* qs = q.data_ptr<int8_t>();
+  const float* wss = ws.data_ptr<float>();
+  const float alpha = static_cast<float>(1.0 / (2 * kLevels));
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, m, 256, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const int8_t* w = qs + is[j] * k;
+      const float wsj = wss[is[j]];
+      for (int64_t r = 0; r < n; ++r) {
+        int32_t sh, sl;
+        plane_dots(w, planes.data() + 2 * r * k, planes.data() + (2 * r + 1) * k, k, &sh, &sl);
+        const float high = static_cast<float>(sh) * wsj;
+        const float low = static_cast<float>(sl) * wsj;
+        float o = std::fma(low, alpha, high) * scale[r];
+        if (bs != nullptr) o += bs[is[j]];
+        os[r * m + j] = o;
+      }
+    }
+  });
   return out;
 }
 
@@ -214,6 +309,7 @@ torch::Tensor rope_write(torch::Tensor qk, torch::Tensor v, torch::Tensor cos, t
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_planes", &int8_planes, "Int8Linear's per-row input planes");
   m.def("int8_combine", &int8_combine, "Int8Linear's output from its integer sums");
+  m.def("int8_columns", &int8_columns, "chosen output columns of an Int8Linear, bit-identical to its full output");
   m.def("rms_norm", &rms_norm, "RMSNorm with per-row-period weights");
   m.def("residual_norm", &residual_norm, "x + norm(y), and the norm of that sum");
   m.def("gated_activation", &gated_activation, "act(gate) * up from a fused gate/up projection");

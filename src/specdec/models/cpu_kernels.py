@@ -3,9 +3,9 @@
 A decoding step on a small model is mostly dispatch: Gemma 3 270M's int8 step ran ~900 PyTorch ops,
 and on this project's 2-core CPU the int8 input preparation and the RMSNorms alone cost ~14 ms of a
 ~35 ms step. The C++ file does the same row-by-row math in one call per op: Int8Linear's input
-planes and rescaling, RMSNorm, a block's residual step with its norms, the rotary embedding with
-the cache write, and the gated MLP activation (measured here: an int8 step from ~37 to ~24 ms). It is compiled with
-PyTorch's own extension builder into the specdec cache (`SPECDEC_CACHE`, default
+planes and rescaling (and chosen output columns alone), RMSNorm, a block's residual step with its norms, the rotary embedding with
+the cache write, and the gated MLP activation (measured here: an int8 step from ~37 to ~24 ms). It
+is compiled with PyTorch's own extension builder into the specdec cache (`SPECDEC_CACHE`, default
 ~/.cache/specdec/kernels; ~30 s the first time, then a load of milliseconds).
 
 Where it cannot be built (no C++ compiler, or `SPECDEC_CPU_KERNELS=0`), `load()` returns None and
@@ -25,8 +25,11 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # -ffp-contract=off: no multiply-add fused unless the source asks for it (std::fma), so results do
-# not depend on what the compiler chose to contract.
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+# not depend on what the compiler chose to contract. -fopenmp: at::parallel_for is OpenMP in
+# PyTorch's CPU builds and runs on one thread without it (the soname resolves to the libgomp that
+# torch has already loaded, so there is one thread pool).
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 def enabled() -> bool:
@@ -42,8 +45,8 @@ def build_dir() -> Path:
 
 @functools.lru_cache(maxsize=None)  # one compiled library per process, like any extension module
 def load():
-    """The compiled module (int8_planes, int8_combine, rms_norm, residual_norm, rope_write,
-    gated_activation), or None where unavailable."""
+    """The compiled module (int8_planes, int8_combine, int8_columns, rms_norm, residual_norm,
+    rope_write, gated_activation), or None where unavailable."""
     if not enabled():
         return None
     from torch.utils import cpp_extension
@@ -63,6 +66,7 @@ def load():
             name="specdec_cpu_kernels",
             sources=[str(SOURCE)],
             extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
             build_directory=str(folder),
             verbose=False,
         )

@@ -75,11 +75,15 @@ class Int8Linear(nn.Module):
         self.register_buffer("_guard", guard, persistent=False)
         self._block: Tensor | None = None  # the reused input block (`_input_block`)
         self._views: dict[int, Tensor] = {}  # its leading [1 + 2n] rows, by n
+        self._unpacked: Tensor | None = None  # `int8_weight`, kept once asked for
 
     def int8_weight(self) -> Tensor:
-        """The int8 values [N, K], e.g. for a tied embedding table (unpacked: a copy)."""
-        qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
-        return qweight.int_repr()
+        """The int8 values [N, K]: unpacked once, then shared (a tied embedding table reads the
+        output head's values through it, `forward_columns` its rows)."""
+        if self._unpacked is None:
+            qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
+            self._unpacked = qweight.int_repr().contiguous()
+        return self._unpacked
 
     def _input_block(self, n: int) -> Tensor:
         """A [1 + 2n, in] input block: the guard row, then n rows of each plane.
@@ -137,6 +141,20 @@ class Int8Linear(nn.Module):
         row_scale = kernels.int8_planes(x, block)  # [n, 1]
         sums = _linear_dynamic(block, self._packed, True)
         return kernels.int8_combine(sums, row_scale, self.bias, x)
+
+
+    def forward_columns(self, x: Tensor, ids: Tensor) -> Tensor | None:
+        """`forward(x)[..., ids]`, bit-identical, computed from those weight rows only; None where
+        the compiled kernels are unavailable (the only way then is the full product).
+
+        x: [..., in] float32 on the CPU; ids: [m] int64 -> [..., m]. The integer sums are the same
+        exact sums the full path takes, and the float steps after them are the same (cpu_kernels.cpp,
+        `int8_columns`); tests/test_cpu_kernels.py checks the identity bit for bit.
+        """
+        kernels = cpu_kernels.load()
+        if kernels is None or x.dtype != torch.float32 or x.is_cuda:
+            return None
+        return kernels.int8_columns(x, self.int8_weight(), self.weight_scale, ids, self.bias)
 
 
 def linear_rows(linear: nn.Module, ids: Tensor) -> Tensor:

@@ -384,12 +384,29 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, cache, layer, slots, visible)
         cache.lengths += t
         hidden = self.norm(x)
+        if last_n == 0:  # no head call at all: an int8 head would still score its guard row
+            return hidden.new_empty(b, 0, cfg.vocab_size, dtype=torch.float32), hidden
         head_in = hidden if last_n is None else hidden[:, hidden.shape[1] - last_n :]
         return self.head(head_in), hidden
 
     def head(self, hidden: Tensor) -> Tensor:
         """Final-normed hidden states [..., hidden] -> float32 logits [..., vocab] (soft-capped if set)."""
         return soft_cap(self.lm_head(hidden).float(), self.config.final_logit_softcap)
+
+    def head_columns(self, hidden: Tensor, ids: Tensor) -> Tensor | None:
+        """`head(hidden)[..., ids]`, bit for bit, at the cost of those rows of the output head; None
+        where this model has no such exact path (a float head, whose matrix product may round a
+        column differently inside a different product, or a soft-capped one).
+
+        hidden: [..., hidden]; ids: [m] int64 -> float32 [..., m]. What greedy verification can
+        screen its rows with (`verify.first_proven_rejection`): a row where some screened token
+        beats the draft token is a certain rejection, without the full 262k-column product.
+        """
+        from .quant import Int8Linear
+
+        if not isinstance(self.lm_head, Int8Linear) or self.config.final_logit_softcap:
+            return None
+        return self.lm_head.forward_columns(hidden, ids)
 
     def _visibility(self, start, positions, cache, mask, span, t):
         """Which cache slots each new query may attend to.
