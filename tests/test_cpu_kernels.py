@@ -21,25 +21,34 @@ def kernels():
 
 
 @pytest.mark.skipif(not cpu_int8_available(), reason="needs PyTorch's fbgemm CPU backend")
-@pytest.mark.parametrize("out_features, in_features, bias", [(300, 64, True), (333, 100, False), (64, 520, True)])
-def test_int8_linear_compiled_equals_pytorch_path(kernels, out_features, in_features, bias):
+@pytest.mark.parametrize("out_features, in_features, bias", [(300, 64, True), (333, 100, False), (64, 520, True),
+                                                            (70000, 640, False), (10, 2100, True)])
+def test_int8_linear_compiled_paths_equal_pytorch_path(kernels, out_features, in_features, bias):
+    # The compiled product (int16 grid, padded shapes: 333 x 100, 64 x 520), fbgemm's product with
+    # compiled planes and rescaling, and the PyTorch reference all give the same bits; 70000 x 640
+    # is a head-sized table (fbgemm for 1-2 rows), 2100 inputs cross the 2048-input block.
     g = torch.Generator().manual_seed(out_features)
     lin = Int8Linear(torch.randn(out_features, in_features, generator=g) * 0.05,
                      torch.randn(out_features, generator=g) if bias else None)
+    assert (lin._packed is not None) == (out_features >= 65536)  # fbgemm kept only where it is faster
     x = torch.randn(9, in_features, generator=g)
     x[2] = 0.0  # a zero row keeps a tiny scale and stays zero
     x[5] *= 1e4  # a row with a far larger range
     with torch.inference_mode():
         reference = lin.forward_rows(x).clone()
-        compiled = lin.forward_compiled(x, kernels)
-        assert torch.equal(compiled, reference)  # same integers, same fused rescaling: bit-identical
+        compiled = lin(x)
+        assert torch.equal(compiled, reference)  # same integers, same output formula: bit-identical
+        assert torch.equal(lin.forward_fbgemm(x, kernels), reference)
         assert torch.equal(compiled[2], lin.bias if bias else torch.zeros(out_features))
-        # Row independence, the property speculative greedy decoding relies on.
+        # Row independence, the property speculative greedy decoding relies on: one and two rows
+        # (fbgemm's share for a head-sized table) and blocks of any size give the same rows.
         for i in range(len(x)):
-            assert torch.equal(lin.forward_compiled(x[i : i + 1], kernels)[0], compiled[i])
-        # A long (prefill-sized) block gets a fresh buffer and the same rows.
-        long = torch.cat([x, torch.randn(70, in_features, generator=g)])
-        assert torch.equal(lin.forward_compiled(long, kernels)[:9], compiled)
+            assert torch.equal(lin(x[i : i + 1])[0], compiled[i])
+        assert torch.equal(lin(x[3:5]), compiled[3:5])
+        long = torch.cat([x, torch.randn(70, in_features, generator=g)])  # a prefill-sized block
+        assert torch.equal(lin(long)[:9], compiled)
+    torch.testing.assert_close(compiled, x @ lin.int8_weight().float().T * lin.weight_scale + (lin.bias if bias else 0),
+                               rtol=0, atol=2e-2 * float(x.abs().max()))  # and it is x @ W.T on the grid
 
 
 @pytest.mark.skipif(not cpu_int8_available(), reason="needs PyTorch's fbgemm CPU backend")

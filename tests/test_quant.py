@@ -76,8 +76,9 @@ def test_int8_model_close_and_speculative_greedy_identical(tmp_path, family):
         assert len(head_rows) == 1 + len(steps)  # the prefill's row, then one head call a step
         screened += sum(n < s.drafted + 1 for n, s in zip(head_rows[1:], steps))
         z = full_head.generate(prompt_ids=prompt, max_new_tokens=40)
+        # (The two speculative runs may draft differently: the cost rule prices a screened
+        # verify pass lower. Their outputs are the plain one all the same.)
         assert x.token_ids == y.token_ids == z.token_ids
-        assert [s.accepted for s in y.steps] == [s.accepted for s in z.steps]
     assert screened, "the screen never cut a verify pass short"
 
 

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 namespace {
@@ -59,24 +60,44 @@ torch::Tensor int8_planes(torch::Tensor x, torch::Tensor block) {
   return scale;
 }
 
-// Int8Linear's output from the kernel's integer sums. sums: [1 + 2n', N] (row 0 is the guard's),
-// scale: [n, 1] from int8_planes; the output is shaped as the input x [..., K] with N for K.
-// out_r = (high_r + low_r / 126) * s_r (+ bias), with the sum as one fused multiply-add, as
-// PyTorch's vectorised add(alpha=...) computes it.
-torch::Tensor int8_combine(torch::Tensor sums, torch::Tensor scale, c10::optional<torch::Tensor> bias,
-                           torch::Tensor x) {
+// -- Int8Linear's own matrix product ------------------------------------------------------------
+//
+// The two planes as one int16 per input, v = 126 high + low (|v| <= 8001): one multiply-add per
+// weight instead of fbgemm's two planes of 7-bit inputs. Per input row r and output column c the
+// exact integer S = sum_i w_ci v_ri gives out = float(S) * (s_r / 126) * ws_c, which is also what
+// fbgemm's two exact plane sums give through `int8_combine`, bit for bit: a layer may use either.
+// int32 lanes stay exact over blocks of 2048 inputs (2048 * 8001 * 127 < 2^31); blocks add in double.
+
+constexpr int64_t kBlockK = 2048;
+constexpr int64_t kBlockM = 48;  // rows of x a thread keeps hot while it streams the weights
+
+// The one output formula (exact integer sum -> float).
+inline float int8_output(double sum, float c, float w_scale, const float* bias) {
+  float o = static_cast<float>(sum) * c * w_scale;
+  if (bias != nullptr) o += *bias;
+  return o;
+}
+
+// Int8Linear's output from fbgemm's integer sums (its weights packed with unit scales, so each sum
+// comes back as an exact float). sums: [1 + 2n', N] (row 0 is the guard's), scale: [n, 1] from
+// int8_planes, ws: [N] the weight scales; the output is shaped as the input x [..., K] with N for K.
+// out_r = float(126 high_r + low_r) * (s_r / 126) * ws (+ bias): `int8_output`, the one formula.
+torch::Tensor int8_combine(torch::Tensor sums, torch::Tensor scale, torch::Tensor ws,
+                           c10::optional<torch::Tensor> bias, torch::Tensor x) {
   TORCH_CHECK(sums.dim() == 2 && sums.scalar_type() == torch::kFloat, "int8_combine: sums must be 2-D float32");
   sums = sums.contiguous();
+  ws = ws.contiguous();
   const int64_t n = scale.size(0), cols = sums.size(1);
   TORCH_CHECK(sums.size(0) >= 1 + 2 * n, "int8_combine: sums has too few rows");
   TORCH_CHECK(x.numel() / x.size(-1) == n, "int8_combine: x and scale differ in rows");
+  TORCH_CHECK(ws.scalar_type() == torch::kFloat && ws.numel() >= cols, "int8_combine: ws must be float32 [>= N]");
   auto shape = x.sizes().vec();
   shape.back() = cols;
   auto out = torch::empty(shape, sums.options());
-  const float alpha = static_cast<float>(1.0 / (2 * kLevels));
   const float* hs = sums.data_ptr<float>() + cols;
   const float* ls = hs + n * cols;
   const float* ss = scale.contiguous().data_ptr<float>();
+  const float* wss = ws.data_ptr<float>();
   torch::Tensor b;
   const float* bs = nullptr;
   if (bias.has_value()) {
@@ -85,69 +106,192 @@ torch::Tensor int8_combine(torch::Tensor sums, torch::Tensor scale, c10::optiona
   }
   float* os = out.data_ptr<float>();
   for (int64_t r = 0; r < n; ++r) {
-    const float s = ss[r];
+    const float c = ss[r] / (2 * kLevels);
     const float* h = hs + r * cols;
     const float* l = ls + r * cols;
     float* o = os + r * cols;
-    for (int64_t c = 0; c < cols; ++c) o[c] = std::fma(l[c], alpha, h[c]) * s;
-    if (bs != nullptr)
-      for (int64_t c = 0; c < cols; ++c) o[c] += bs[c];
+    for (int64_t j = 0; j < cols; ++j)
+      o[j] = int8_output(static_cast<double>(h[j]) * (2 * kLevels) + static_cast<double>(l[j]), c, wss[j],
+                         bs ? bs + j : nullptr);
   }
   return out;
 }
 
-// Dot products of one int8 weight row with a row's two int16 planes: the exact integer sums.
-inline void plane_dots(const int8_t* w, const int16_t* high, const int16_t* low, int64_t k, int32_t* sh,
-                       int32_t* sl) {
-  int64_t i = 0;
-  int32_t h = 0, l = 0;
-#if defined(__AVX2__)
-  __m256i ah = _mm256_setzero_si256(), al = _mm256_setzero_si256();
-  for (; i + 16 <= k; i += 16) {
-    // 16 weights widened to int16; madd multiplies pairs and adds them into 8 int32 lanes. No lane
-    // can overflow: |w| <= 127 and |plane| <= 63, so a lane stays below 2^31 up to k ~ 2^21.
-    const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
-    ah = _mm256_add_epi32(ah, _mm256_madd_epi16(wv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + i))));
-    al = _mm256_add_epi32(al, _mm256_madd_epi16(wv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + i))));
-  }
-  alignas(32) int32_t lanes[16];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), ah);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes + 8), al);
-  for (int j = 0; j < 8; ++j) {
-    h += lanes[j];
-    l += lanes[8 + j];
-  }
-#endif
-  for (; i < k; ++i) {
-    h += static_cast<int32_t>(w[i]) * high[i];
-    l += static_cast<int32_t>(w[i]) * low[i];
-  }
-  *sh = h;
-  *sl = l;
+// One row of x on the int16 grid: v[0..k) as above, v[k..kp) = 0 (padding). Returns c = s / 126.
+inline float row_int16(const float* row, int64_t k, int64_t kp, int16_t* v) {
+  std::vector<int16_t> low(k);
+  const float s = row_planes(row, k, v, low.data());
+  for (int64_t i = 0; i < k; ++i) v[i] = static_cast<int16_t>(v[i] * 126 + low[i]);
+  std::fill(v + k, v + kp, int16_t{0});
+  return s / (2 * kLevels);
 }
 
-// Chosen output columns of an Int8Linear, bit-identical to the same columns of its full output.
-// x: [..., K] float32 (n rows); q: [N, K] int8 weights; ws: [N] their scales; ids: [m] int64 columns;
-// bias: [N] or none. Returns [..., m].
-//
-// Why it is exact. The full path feeds the planes of `row_planes` to fbgemm, whose integer sums
-// are exact, and fbgemm's float output of a sum is float(sum) * ws[c] (its input scale is exactly 1);
-// `int8_combine` then computes fma(low, 1/126, high) * s (+ bias). Here the same integer sums are
-// taken from the int8 rows directly and go through the same float operations in the same order.
-// (Used to screen a verify pass's rows against a few thousand candidate tokens before paying for
-// the 262k-row output head: see Transformer.head_columns.)
+// x [..., k] float32 -> rows [n, kp] int16 and their c [n].
+inline void input_int16(const torch::Tensor& x, int64_t kp, std::vector<int16_t>& v, std::vector<float>& c) {
+  const int64_t k = x.size(-1), n = x.numel() / k;
+  v.resize(n * kp);
+  c.resize(n);
+  const float* xs = x.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) c[r] = row_int16(xs + r * k, k, kp, v.data() + r * kp);
+}
+
+#if defined(__AVX2__)
+inline __m256i widen(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The exact sums of MT rows of v (stride kp) with 4 weight rows over inputs [k0, k1), k1 - k0 <=
+// kBlockK: sums[m] = the 4 columns' integers. Weights int16 already widened (Wide = int16_t, from
+// the thread's buffer) or int8 read straight from q (Wide = int8_t).
+template <int MT, typename Wide>
+__attribute__((always_inline)) inline void block_sums(const Wide* w, const int16_t* v, int64_t kp, int64_t k0, int64_t k1, __m128i* sums) {
+  __m256i acc[MT][4];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_setzero_si256();
+  for (int64_t i = k0; i < k1; i += 16) {
+    __m256i wr[4];
+    for (int r = 0; r < 4; ++r) {
+      if constexpr (sizeof(Wide) == 2)
+        wr[r] = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + r * kp + i));
+      else
+        wr[r] = widen(reinterpret_cast<const int8_t*>(w) + r * kp + i);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + m * kp + i));
+      for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(xv, wr[r]));
+    }
+  }
+  for (int m = 0; m < MT; ++m) {  // the 8 lanes of each column -> one integer per column
+    const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[m][0], acc[m][1]),
+                                        _mm256_hadd_epi32(acc[m][2], acc[m][3]));
+    sums[m] = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  }
+}
+
+// out[m, col..col+valid) for MT rows of v and the 4 weight rows at w: `int8_output` of the exact
+// sums, four lanes at a time (the same roundings as the scalar formula, lane by lane).
+template <int MT, typename Wide>
+__attribute__((always_inline)) inline void tile(const Wide* w, const int16_t* v, int64_t kp, const float* c, const float* ws, const float* bias,
+                 float* out, int64_t ldo, int64_t valid) {
+  __m128 totals[MT];
+  __m128i sums[MT];
+  if (kp <= kBlockK) {  // one block: int32 -> float rounds as int32 -> double -> float does
+    block_sums<MT>(w, v, kp, 0, kp, sums);
+    for (int m = 0; m < MT; ++m) totals[m] = _mm_cvtepi32_ps(sums[m]);
+  } else {
+    __m256d acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_pd();
+    for (int64_t k0 = 0; k0 < kp; k0 += kBlockK) {
+      block_sums<MT>(w, v, kp, k0, std::min(kp, k0 + kBlockK), sums);
+      for (int m = 0; m < MT; ++m) acc[m] = _mm256_add_pd(acc[m], _mm256_cvtepi32_pd(sums[m]));
+    }
+    for (int m = 0; m < MT; ++m) totals[m] = _mm256_cvtpd_ps(acc[m]);
+  }
+  for (int m = 0; m < MT; ++m) {
+    __m128 o = _mm_mul_ps(_mm_mul_ps(totals[m], _mm_set1_ps(c[m])), _mm_loadu_ps(ws));  // ws is padded to 4
+    if (valid == 4) {
+      if (bias != nullptr) o = _mm_add_ps(o, _mm_loadu_ps(bias));
+      _mm_storeu_ps(out + m * ldo, o);
+    } else {  // the last, partial tile: the bias has no padding
+      alignas(16) float lanes[4];
+      _mm_store_ps(lanes, o);
+      for (int64_t j = 0; j < valid; ++j) out[m * ldo + j] = bias != nullptr ? lanes[j] + bias[j] : lanes[j];
+    }
+  }
+}
+#endif
+
+// y = Int8Linear(x): x [..., K] float32; q [N4, KP] int8 (N and K zero-padded to multiples of 4 and
+// 16); ws [N4] float32; bias [N] or none; n_out = N. Returns [..., N]. Every output is the formula
+// above, so a row's result never depends on the other rows in the call.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor ws, c10::optional<torch::Tensor> bias,
+                          int64_t n_out) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat, "int8_linear: x must be float32");
+  TORCH_CHECK(q.scalar_type() == torch::kChar && q.dim() == 2 && q.is_contiguous(), "int8_linear: q must be contiguous int8");
+  const int64_t kp = q.size(1), n4 = q.size(0);
+  TORCH_CHECK(kp % 16 == 0 && n4 % 4 == 0 && n_out <= n4 && n_out > n4 - 4, "int8_linear: q must be padded to [ceil4(N), ceil16(K)]");
+  TORCH_CHECK(ws.scalar_type() == torch::kFloat && ws.is_contiguous() && ws.numel() == n4, "int8_linear: ws must be [ceil4(N)] float32");
+  x = x.contiguous();
+  const int64_t k = x.size(-1), n = x.numel() / k;
+  TORCH_CHECK(k <= kp && k > kp - 16, "int8_linear: x and q differ in input size");
+  torch::Tensor b;
+  const float* bs = nullptr;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    bs = b.data_ptr<float>();
+  }
+  auto shape = x.sizes().vec();
+  shape.back() = n_out;
+  auto out = torch::empty(shape, x.options());
+  if (n == 0) return out;
+  std::vector<int16_t> v;
+  std::vector<float> c;
+  input_int16(x, kp, v, c);
+  const int8_t* qs = q.data_ptr<int8_t>();
+  const float* wss = ws.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, n4 / 4, 8, [&](int64_t t0, int64_t t1) {
+#if defined(__AVX2__)
+    // With more than 2 rows each weight is used many times: widen a 4-row tile once into a buffer
+    // (32-byte aligned for the loads).
+    std::vector<int16_t> buffer(n > 2 ? 4 * kp + 16 : 0);
+    int16_t* wide = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 31) & ~uintptr_t{31});
+#endif
+    for (int64_t m0 = 0; m0 < n; m0 += kBlockM) {
+      const int64_t m1 = std::min(n, m0 + kBlockM);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t col = 4 * t, valid = std::min<int64_t>(4, n_out - col);
+        const int8_t* w = qs + col * kp;
+        const float* bcol = bs ? bs + col : nullptr;
+#if defined(__AVX2__)
+        _mm_prefetch(reinterpret_cast<const char*>(w + 8 * kp), _MM_HINT_T0);
+        int64_t m = m0;
+        if (n <= 2) {
+          for (; m + 2 <= m1; m += 2)
+            tile<2>(w, v.data() + m * kp, kp, c.data() + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
+          if (m < m1) tile<1>(w, v.data() + m * kp, kp, c.data() + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
+          continue;
+        }
+        for (int64_t i = 0; i < 4 * kp; i += 16)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(wide + i), widen(w + i));
+        for (; m + 2 <= m1; m += 2)
+          tile<2>(static_cast<const int16_t*>(wide), v.data() + m * kp, kp, c.data() + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
+        if (m < m1)
+          tile<1>(static_cast<const int16_t*>(wide), v.data() + m * kp, kp, c.data() + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
+#else
+        for (int64_t m = m0; m < m1; ++m)
+          for (int64_t j = 0; j < valid; ++j) {
+            int64_t sum = 0;
+            const int16_t* vr = v.data() + m * kp;
+            for (int64_t i = 0; i < kp; ++i) sum += static_cast<int32_t>(w[j * kp + i]) * vr[i];
+            os[m * n_out + col + j] = int8_output(static_cast<double>(sum), c[m], wss[col + j], bcol ? bcol + j : nullptr);
+          }
+#endif
+      }
+    }
+  });
+  return out;
+}
+
+// Chosen output columns of an Int8Linear, bit-identical to the same columns of its full output
+// (the same exact sums, the same formula), at the cost of those weight rows only. x: [..., K]
+// float32; q, ws, bias, n_out as for int8_linear; ids: [m] int64 columns < N. Returns [..., m].
+// (Greedy verification screens a block's rows with it before paying for the 262k-row output head:
+// see Transformer.head_columns.)
 torch::Tensor int8_columns(torch::Tensor x, torch::Tensor q, torch::Tensor ws, torch::Tensor ids,
-                           c10::optional<torch::Tensor> bias) {
+                           c10::optional<torch::Tensor> bias, int64_t n_out) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat, "int8_columns: x must be float32");
-  TORCH_CHECK(q.scalar_type() == torch::kChar && q.dim() == 2 && q.is_contiguous(), "int8_columns: q must be contiguous [N, K] int8");
-  TORCH_CHECK(ws.scalar_type() == torch::kFloat && ws.is_contiguous() && ws.numel() == q.size(0), "int8_columns: ws must be [N] float32");
+  TORCH_CHECK(q.scalar_type() == torch::kChar && q.dim() == 2 && q.is_contiguous() && q.size(1) % 16 == 0,
+              "int8_columns: q must be contiguous padded int8");
+  TORCH_CHECK(ws.scalar_type() == torch::kFloat && ws.is_contiguous() && ws.numel() == q.size(0), "int8_columns: ws must be [N4] float32");
   TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, "int8_columns: ids must be 1-D int64");
   x = x.contiguous();
   ids = ids.contiguous();
-  const int64_t k = x.size(-1), n = x.numel() / k, m = ids.numel(), cols = q.size(0);
-  TORCH_CHECK(q.size(1) == k, "int8_columns: x and q differ in input size");
+  const int64_t k = x.size(-1), kp = q.size(1), n = x.numel() / k, m = ids.numel();
+  TORCH_CHECK(k <= kp && k > kp - 16, "int8_columns: x and q differ in input size");
   const int64_t* is = ids.data_ptr<int64_t>();
-  for (int64_t j = 0; j < m; ++j) TORCH_CHECK(is[j] >= 0 && is[j] < cols, "int8_columns: id out of range");
+  TORCH_CHECK(n_out <= q.size(0), "int8_columns: n_out exceeds q's rows");
+  for (int64_t j = 0; j < m; ++j) TORCH_CHECK(is[j] >= 0 && is[j] < n_out, "int8_columns: id out of range");
   torch::Tensor b;
   const float* bs = nullptr;
   if (bias.has_value()) {
@@ -157,27 +301,33 @@ torch::Tensor int8_columns(torch::Tensor x, torch::Tensor q, torch::Tensor ws, t
   auto shape = x.sizes().vec();
   shape.back() = m;
   auto out = torch::empty(shape, x.options());
-  std::vector<int16_t> planes(2 * n * k);  // row r: high at 2r, low at 2r + 1
-  std::vector<float> scale(n);
-  const float* xs = x.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r)
-    scale[r] = row_planes(xs + r * k, k, planes.data() + 2 * r * k, planes.data() + (2 * r + 1) * k);
+  std::vector<int16_t> v;
+  std::vector<float> c;
+  input_int16(x, kp, v, c);
   const int8_t* qs = q.data_ptr<int8_t>();
   const float* wss = ws.data_ptr<float>();
-  const float alpha = static_cast<float>(1.0 / (2 * kLevels));
   float* os = out.data_ptr<float>();
   at::parallel_for(0, m, 256, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
-      const int8_t* w = qs + is[j] * k;
-      const float wsj = wss[is[j]];
+      const int8_t* w = qs + is[j] * kp;
       for (int64_t r = 0; r < n; ++r) {
-        int32_t sh, sl;
-        plane_dots(w, planes.data() + 2 * r * k, planes.data() + (2 * r + 1) * k, k, &sh, &sl);
-        const float high = static_cast<float>(sh) * wsj;
-        const float low = static_cast<float>(sl) * wsj;
-        float o = std::fma(low, alpha, high) * scale[r];
-        if (bs != nullptr) o += bs[is[j]];
-        os[r * m + j] = o;
+        const int16_t* vr = v.data() + r * kp;
+        double sum = 0.0;
+        for (int64_t k0 = 0; k0 < kp; k0 += kBlockK) {
+          const int64_t k1 = std::min(kp, k0 + kBlockK);
+          int32_t block = 0;
+          int64_t i = k0;
+#if defined(__AVX2__)
+          __m256i acc = _mm256_setzero_si256();
+          for (; i < k1; i += 16) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(widen(w + i), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + i))));
+          alignas(32) int32_t lanes[8];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+          for (int l = 0; l < 8; ++l) block += lanes[l];
+#endif
+          for (; i < k1; ++i) block += static_cast<int32_t>(w[i]) * vr[i];
+          sum += block;
+        }
+        os[r * m + j] = int8_output(sum, c[r], wss[is[j]], bs ? bs + is[j] : nullptr);
       }
     }
   });
@@ -309,6 +459,7 @@ torch::Tensor rope_write(torch::Tensor qk, torch::Tensor v, torch::Tensor cos, t
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_planes", &int8_planes, "Int8Linear's per-row input planes");
   m.def("int8_combine", &int8_combine, "Int8Linear's output from its integer sums");
+  m.def("int8_linear", &int8_linear, "Int8Linear's matrix product on the int16 input grid");
   m.def("int8_columns", &int8_columns, "chosen output columns of an Int8Linear, bit-identical to its full output");
   m.def("rms_norm", &rms_norm, "RMSNorm with per-row-period weights");
   m.def("residual_norm", &residual_norm, "x + norm(y), and the norm of that sum");

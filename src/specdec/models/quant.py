@@ -19,6 +19,16 @@ range 127 over 127 levels gives scale 1 and zero point 64. The products are then
 rescaled per row by s_r and per output channel by the weight scale: every row's result is
 bit-identical whatever else is in the call.
 
+Two planes, one formula. The residual round((x_r / s_r - high) * 126) goes on a second plane, so
+the input carries ~13 bits: x_r / s_r ~= (126 high + low) / 126. fbgemm scores both planes (weights
+packed with unit scales, so each plane's sum comes back as an exact integer); the compiled kernel
+`int8_linear` (cpu_kernels.cpp) puts v = 126 high + low in one int16 and needs one multiply-add per
+weight instead of two. Both yield the same exact S = sum_i w_i v_i and the one output formula
+float(S) * (s_r / 126) * w_scale (+ bias), so they agree bit for bit and a layer may use either
+per call: the compiled kernel everywhere (measured here: 1.3-3.7x fbgemm per layer for 1-9 rows,
+and faster for a prefill too), fbgemm only for one or two rows of a table as large as an output
+head, where it streams the weights faster.
+
 Quantisation changes the target model (plain and speculative decoding are then compared with the
 same quantised target, and both are exact with respect to it). The embedding table shares the
 head's int8 values and scales when the two are tied.
@@ -27,6 +37,7 @@ head's int8 values and scales when the two are tied.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import cpu_kernels
@@ -35,6 +46,13 @@ QUANT_MODES = ("none", "int8")
 _LEVELS = 63  # activation grid per plane: integers in [-63, 63] (7-bit, see the module doc)
 _linear_dynamic = torch.ops.quantized.linear_dynamic.default
 _REUSED_ROWS = 64  # input blocks of up to this many rows a plane reuse one buffer (`_input_block`)
+# Where fbgemm's product is used next to the compiled one: tables of at least this many outputs
+# (an output head) with at most this many inputs (its float sums are then exact), for products
+# of at most this many rows. Measured here for Gemma's 262144 x 640 head: 8.9 against 10.4 ms for
+# one row, 10.3 against 11.3 for two, and the compiled kernel ahead from three rows on.
+_FBGEMM_MIN_OUT = 65536
+_FBGEMM_MAX_IN = 2048
+_FBGEMM_MAX_ROWS = 2
 
 
 def quantize_rows(weight: Tensor, chunk: int = 8192) -> tuple[Tensor, Tensor]:
@@ -54,39 +72,51 @@ def quantize_rows(weight: Tensor, chunk: int = 8192) -> tuple[Tensor, Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """y = x @ W.T (+ b) with int8 W per output channel and x on two per-row int8 planes (module doc)."""
+    """y = x @ W.T (+ b) with int8 W per output channel and x on a per-row integer grid (module doc)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):  # weight: [N, K]
         super().__init__()
         if not cpu_int8_available():
             raise RuntimeError("int8 linears need PyTorch's fbgemm CPU backend")
         q, scale = quantize_rows(weight)
-        self.out_features, self.in_features = q.shape
+        self.out_features, self.in_features = n, k = q.shape
         self.register_buffer("weight_scale", scale, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        # fbgemm's packed int8 kernel: its cost barely grows from 1 to 16 rows, at every size this
-        # model has (measured on AVX2 and AVX512 CPUs; torch._int_mm was 10x slower for 1 row).
-        zero = torch.zeros_like(scale, dtype=torch.long)
-        self._packed = torch.ops.quantized.linear_prepack(
-            torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0), None
-        )
+        kernels = cpu_kernels.load()
+        # The compiled kernels read the int8 rows zero-padded to [ceil4(N), ceil16(K)] (a padded
+        # input or output changes no sum); `int8_weight` is a view of them.
+        self._q: Tensor | None = None
+        self._scale4 = scale
+        if kernels is not None:
+            n4, k16 = -(-n // 4) * 4, -(-k // 16) * 16
+            self._q = q if (n4, k16) == (n, k) else F.pad(q, (0, k16 - k, 0, n4 - n))
+            self._scale4 = scale if n4 == n else F.pad(scale, (0, n4 - n))
+        # fbgemm's kernel (weights packed with unit scales, so that its float sums are the exact
+        # integers): the PyTorch path's product, and, next to the compiled kernels, the faster one
+        # for a one- or two-row product with a table as large as Gemma's output head.
+        self._packed = None
+        if kernels is None or (n >= _FBGEMM_MIN_OUT and k <= _FBGEMM_MAX_IN):
+            self._packed = _pack_unit_scales(q)
         guard = torch.zeros(1, self.in_features)
         guard[0, 0], guard[0, -1] = -float(_LEVELS + 1), float(_LEVELS)
         self.register_buffer("_guard", guard, persistent=False)
         self._block: Tensor | None = None  # the reused input block (`_input_block`)
         self._views: dict[int, Tensor] = {}  # its leading [1 + 2n] rows, by n
-        self._unpacked: Tensor | None = None  # `int8_weight`, kept once asked for
 
     def int8_weight(self) -> Tensor:
-        """The int8 values [N, K]: unpacked once, then shared (a tied embedding table reads the
-        output head's values through it, `forward_columns` its rows)."""
-        if self._unpacked is None:
-            qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
-            self._unpacked = qweight.int_repr().contiguous()
-        return self._unpacked
+        """The int8 values [N, K] (a tied embedding table reads the output head's through it)."""
+        if self._q is not None:
+            return self._q[: self.out_features, : self.in_features]
+        qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
+        return qweight.int_repr()
+
+    def _fbgemm(self):
+        if self._packed is None:  # the compiled path alone never needs it: made for the reference
+            self._packed = _pack_unit_scales(self.int8_weight())
+        return self._packed
 
     def _input_block(self, n: int) -> Tensor:
-        """A [1 + 2n, in] input block: the guard row, then n rows of each plane.
+        """A [1 + 2n, in] input block for fbgemm: the guard row, then n rows of each plane.
 
         Decode and verify blocks (up to _REUSED_ROWS rows a plane) are written into one buffer kept
         between calls, grown to the largest such block seen; a longer block (a prefill) gets a fresh
@@ -108,14 +138,16 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in_features]
         kernels = cpu_kernels.load()
-        if kernels is not None and x.dtype == torch.float32 and not x.is_cuda:
-            return self.forward_compiled(x, kernels)
+        if kernels is not None and self._q is not None and x.dtype == torch.float32 and not x.is_cuda:
+            if self._packed is not None and x.numel() <= _FBGEMM_MAX_ROWS * self.in_features:
+                return self.forward_fbgemm(x, kernels)
+            return kernels.int8_linear(x, self._q, self._scale4, self.bias, self.out_features)
         lead = x.shape[:-1]
         out = self.forward_rows(x.reshape(-1, self.in_features).float()).view(*lead, self.out_features)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def forward_rows(self, rows: Tensor) -> Tensor:  # rows: [n, in] float32 -> [n, out]
-        """The PyTorch path, [n, in] float32 rows (the reference for `forward_compiled`)."""
+        """The PyTorch path, [n, in] float32 rows (the reference the compiled paths equal bit for bit)."""
         n = rows.shape[0]
         # Per-row grid: s_r = max|x_r| / 63 (a zero row keeps a tiny scale and stays zero).
         row_scale = rows.abs().amax(dim=1, keepdim=True).div_(_LEVELS).clamp_(min=torch.finfo(torch.float32).tiny)
@@ -124,37 +156,44 @@ class Int8Linear(nn.Module):
         torch.div(rows, row_scale, out=low)
         torch.round(low, out=high)
         # Second plane: the rounding residual (in [-0.5, 0.5]) on its own grid of 126 steps, so
-        # x / s_r ~= high + low / 126 carries ~13 bits; one call scores both planes.
+        # x / s_r ~= high + low / 126 carries ~13 bits.
         low.sub_(high).mul_(2 * _LEVELS).round_()
         # The guard row pins the kernel's own quantisation range to [-64, 63] (scale 1, zero point
-        # 64 with reduce_range): integer inputs pass through exactly, so the products are exact
-        # integer sums scaled per output channel, and each row's result is independent of the others.
-        sums = _linear_dynamic(block, self._packed, True)
-        out = torch.add(sums[1 : 1 + n], sums[1 + n :], alpha=1 / (2 * _LEVELS)).mul_(row_scale)  # [n, N]
+        # 64 with reduce_range): integer inputs pass through exactly, and with unit weight scales
+        # each plane's sums come back as exact integers (|sum| < 2^24 for in_features <= 2097).
+        sums = _linear_dynamic(block, self._fbgemm(), True)
+        # S = 126 high + low exactly (in float64), then the one output formula: float(S) * c * w.
+        total = sums[1 : 1 + n].double().mul_(2 * _LEVELS).add_(sums[1 + n :].double())
+        out = total.float().mul_(row_scale / (2 * _LEVELS)).mul_(self.weight_scale)  # [n, N]
         return out if self.bias is None else out.add_(self.bias)
 
-    def forward_compiled(self, x: Tensor, kernels) -> Tensor:  # x: [..., in] float32 -> [..., out]
+    def forward_fbgemm(self, x: Tensor, kernels) -> Tensor:  # x: [..., in] float32 -> [..., out]
         """`forward_rows` with the planes and the rescaling done by the compiled kernels: three
-        calls instead of ~15 PyTorch ops, the same integers into the same fbgemm kernel. (A decode
-        step makes ~70 of these calls, so this path is kept free of Python-side tensor ops.)"""
+        calls instead of ~15 PyTorch ops, the same integers into the same fbgemm kernel."""
         block = self._input_block(x.numel() // self.in_features)
         row_scale = kernels.int8_planes(x, block)  # [n, 1]
-        sums = _linear_dynamic(block, self._packed, True)
-        return kernels.int8_combine(sums, row_scale, self.bias, x)
-
+        sums = _linear_dynamic(block, self._fbgemm(), True)
+        return kernels.int8_combine(sums, row_scale, self.weight_scale, self.bias, x)
 
     def forward_columns(self, x: Tensor, ids: Tensor) -> Tensor | None:
         """`forward(x)[..., ids]`, bit-identical, computed from those weight rows only; None where
         the compiled kernels are unavailable (the only way then is the full product).
 
-        x: [..., in] float32 on the CPU; ids: [m] int64 -> [..., m]. The integer sums are the same
-        exact sums the full path takes, and the float steps after them are the same (cpu_kernels.cpp,
-        `int8_columns`); tests/test_cpu_kernels.py checks the identity bit for bit.
+        x: [..., in] float32 on the CPU; ids: [m] int64 -> [..., m]. The same exact integer sums
+        and the same output formula as the full product (cpu_kernels.cpp, `int8_columns`);
+        tests/test_cpu_kernels.py checks the identity bit for bit.
         """
         kernels = cpu_kernels.load()
-        if kernels is None or x.dtype != torch.float32 or x.is_cuda:
+        if kernels is None or self._q is None or x.dtype != torch.float32 or x.is_cuda:
             return None
-        return kernels.int8_columns(x, self.int8_weight(), self.weight_scale, ids, self.bias)
+        return kernels.int8_columns(x, self._q, self._scale4, ids, self.bias, self.out_features)
+
+
+def _pack_unit_scales(q: Tensor):
+    """fbgemm's packed int8 weights [N, K] with every channel's scale 1 (the sums stay integers)."""
+    ones = torch.ones(q.shape[0], dtype=torch.double)
+    zero = torch.zeros(q.shape[0], dtype=torch.long)
+    return torch.ops.quantized.linear_prepack(torch._make_per_channel_quantized_tensor(q, ones, zero, 0), None)
 
 
 def linear_rows(linear: nn.Module, ids: Tensor) -> Tensor:
