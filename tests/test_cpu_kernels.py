@@ -101,6 +101,35 @@ def test_rms_norm_matches_pytorch(kernels, period):
                                atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("heads, kv_heads, d, t", [(4, 1, 256, 1), (4, 1, 256, 9), (4, 2, 40, 5), (2, 2, 64, 3)])
+def test_attention_matches_sdpa_and_each_row_stands_alone(kernels, heads, kv_heads, d, t):
+    # Two batch rows of different lengths over a 300-slot cache (three chunks), causal within the
+    # block and a sliding window on the second row: the masks the model builds.
+    g = torch.Generator().manual_seed(t * d)
+    cap = 320
+    keys = torch.randn(2, kv_heads, cap, d, generator=g)
+    values = torch.randn(2, kv_heads, cap, d, generator=g)
+    q = torch.randn(2, heads, t, d, generator=g)
+    span = 300
+    start = torch.tensor([span - t, span - t - 40])
+    rel = torch.arange(span)[None, None, :] - start[:, None, None]
+    visible = (rel < 0) | ((rel < t) & (rel <= torch.arange(t)[None, :, None]))  # [2, T, S]
+    visible[1] &= (start[1] + torch.arange(t))[:, None] - torch.arange(span)[None, :] < 200  # a window
+    visible = visible[:, None]
+    scale = d**-0.5
+    out = kernels.attention(q, keys, values, visible, scale)  # [2, T, heads * d]
+    reference = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], attn_mask=visible,
+                                               scale=scale, enable_gqa=heads != kv_heads)
+    torch.testing.assert_close(out, reference.transpose(1, 2).reshape(2, t, heads * d), atol=2e-6, rtol=1e-5)
+    # Row independence, bit for bit: a query alone (its own row of the mask) gives its row of the
+    # block, whatever the other queries (what makes a verify row equal its one-token step).
+    for b in range(2):
+        for i in range(t):
+            alone = kernels.attention(q[b : b + 1, :, i : i + 1], keys[b : b + 1], values[b : b + 1],
+                                      visible[b : b + 1, :, i : i + 1], scale)
+            assert torch.equal(alone[0, 0], out[b, i])
+
+
 def test_model_uses_kernels_under_inference_only_and_matches(kernels, tmp_path, monkeypatch):
     folder, _ = __import__("conftest").make_tiny_hf(tmp_path, "gemma3")
     model, _ = loader.load(folder, torch.float32, "cpu")
@@ -118,10 +147,10 @@ def test_model_uses_kernels_under_inference_only_and_matches(kernels, tmp_path, 
     model.fuse_projections()
     compiled, _ = model(ids, torch.arange(20)[None], model.new_cache(1, 32))
     layers = model.config.num_layers
-    # A layer: its input norm and q/k norm, rotation with the cache write, two residual steps and
-    # the MLP's activation; then the final norm.
-    assert calls == {"rms_norm": 2 * layers + 1, "rope_write": layers, "residual_norm": 2 * layers,
-                     "gated_activation": layers}
+    # A layer: its input norm and q/k norm, rotation with the cache write, attention (20 new tokens
+    # is a short block), two residual steps and the MLP's activation; then the final norm.
+    assert calls == {"rms_norm": 2 * layers + 1, "rope_write": layers, "attention": layers,
+                     "residual_norm": 2 * layers, "gated_activation": layers}
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     reference, _ = model(ids, torch.arange(20)[None], model.new_cache(1, 32))
     torch.testing.assert_close(compiled, reference, atol=1e-4, rtol=1e-4)

@@ -82,6 +82,31 @@ def test_int8_model_close_and_speculative_greedy_identical(tmp_path, family):
     assert screened, "the screen never cut a verify pass short"
 
 
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_int8_verify_rows_are_the_one_token_steps_bit_for_bit(tmp_path, family):
+    # With the compiled kernels every step of a pass is row by row (int8 products on per-row grids,
+    # norms, rotation, attention of a short block), so scoring k + 1 tokens in one pass gives
+    # exactly the logits of k + 1 one-token steps: greedy speculation at int8 is then exact, not
+    # merely close. (Without the kernels, SDPA blocks its queries and may round a row differently.)
+    from specdec.models import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("needs the compiled CPU kernels")
+    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, family)
+    model, _ = loader.load(folder, torch.float32, "cpu")
+    quantize_model(model, "int8")
+    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(3))
+    prompt, block = ids[:, :22], ids[:, 22:]
+    one = model.new_cache(1, 40)
+    model(prompt, torch.arange(22)[None], one)
+    steps = [model(block[:, i : i + 1], torch.tensor([[22 + i]]), one)[0][0, 0] for i in range(8)]
+    many = model.new_cache(1, 40)
+    model(prompt, torch.arange(22)[None], many)
+    logits, _ = model(block, torch.arange(22, 30)[None], many)
+    for i in range(8):
+        assert torch.equal(logits[0, i], steps[i])
+
+
 def test_bad_quantize_values():
     with pytest.raises(InvalidRequestError, match="quantize"):
         Engine.load("default", quantize="int3")

@@ -454,6 +454,233 @@ torch::Tensor rope_write(torch::Tensor qk, torch::Tensor v, torch::Tensor cos, t
   return q;
 }
 
+// -- attention for a few queries ---------------------------------------------------------------
+//
+// softmax(q k^T * scale) v over the visible cache slots, for decode and verify blocks. Each query
+// row is computed by itself, in an order fixed by the slots alone: the slots are cut into chunks
+// of kChunk at fixed indices, each chunk gives (its max m_c, sum l_c of exp(score - m_c), and
+// acc_c = the exp-weighted sum of its values), and the chunks merge in index order. So a query's
+// result depends only on its own row and the slots it sees, never on the other queries in the call:
+// a verify pass over k + 1 tokens computes what k + 1 one-token passes compute, bit for bit.
+// (PyTorch's SDPA blocks its queries, so a row's rounding depended on the block.)
+
+constexpr int64_t kChunk = 128;
+
+// dot(a, b) over d floats, in a fixed order (four 8-wide partial sums, then lanes in order).
+inline float dot_fixed(const float* a, const float* b, int64_t d) {
+  int64_t i = 0;
+  float total = 0.0f;
+#if defined(__AVX2__)
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (; i + 32 <= d; i += 32)
+    for (int j = 0; j < 4; ++j)
+      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * j), _mm256_loadu_ps(b + i + 8 * j), acc[j]);
+  const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  for (int j = 0; j < 8; ++j) total += lanes[j];
+#endif
+  for (; i < d; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// dot_fixed(qa, k) and dot_fixed(qb, k) together (the same operations per dot, in the same order,
+// two independent chains sharing the loads of k).
+inline void dot_fixed2(const float* qa, const float* qb, const float* k, int64_t d, float* da, float* db) {
+#if defined(__AVX2__)
+  if (d % 32 == 0) {
+    __m256 a[4], b[4];
+    for (int j = 0; j < 4; ++j) a[j] = b[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 32)
+      for (int j = 0; j < 4; ++j) {
+        const __m256 kv = _mm256_loadu_ps(k + i + 8 * j);
+        a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qa + i + 8 * j), kv, a[j]);
+        b[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qb + i + 8 * j), kv, b[j]);
+      }
+    alignas(32) float la[8], lb[8];
+    _mm256_store_ps(la, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+    _mm256_store_ps(lb, _mm256_add_ps(_mm256_add_ps(b[0], b[1]), _mm256_add_ps(b[2], b[3])));
+    float ta = 0.0f, tb = 0.0f;
+    for (int j = 0; j < 8; ++j) {
+      ta += la[j];
+      tb += lb[j];
+    }
+    *da = ta;
+    *db = tb;
+    return;
+  }
+#endif
+  *da = dot_fixed(qa, k, d);
+  *db = dot_fixed(qb, k, d);
+}
+
+// exp(x[j] - m) for j < n into out (n rounded up to 8 may be written). The Cephes single-precision
+// polynomial, 8 lanes at a time on AVX2; the fallback runs the same operations one value at a time,
+// so a value's result never depends on its lane or on n. Inputs here are <= 0; below -87 the
+// result is clamped to exp(-87) ~ 1.6e-38, which adds nothing next to exp(0) = 1.
+inline float exp_lane(float x) {
+  x = std::max(x, -87.0f);
+  const float fx = std::floor(std::fma(x, 1.44269504088896341f, 0.5f));
+  x = std::fma(fx, -0.693359375f, x);
+  x = std::fma(fx, 2.12194440e-4f, x);
+  float y = 1.9875691500e-4f;
+  y = std::fma(y, x, 1.3981999507e-3f);
+  y = std::fma(y, x, 8.3334519073e-3f);
+  y = std::fma(y, x, 4.1665795894e-2f);
+  y = std::fma(y, x, 1.6666665459e-1f);
+  y = std::fma(y, x, 5.0000001201e-1f);
+  y = std::fma(y, x * x, x) + 1.0f;
+  return std::ldexp(y, static_cast<int>(fx));
+}
+
+inline void exp_shifted(const float* x, float m, int64_t n, float* out) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), mv), _mm256_set1_ps(-87.0f));
+    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    v = _mm256_fmadd_ps(fx, _mm256_set1_ps(-0.693359375f), v);
+    v = _mm256_fmadd_ps(fx, _mm256_set1_ps(2.12194440e-4f), v);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(v, v), v), _mm256_set1_ps(1.0f));
+    // times 2^fx: fx in [-126, 0] here, so the exponent field takes it directly
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+  }
+#endif
+  for (; j < n; ++j) out[j] = exp_lane(x[j] - m);
+}
+
+// acc[0..d) += p * v[0..d), elementwise in one fused multiply-add each.
+inline void axpy(float p, const float* v, float* acc, int64_t d) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; i + 8 <= d; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
+#endif
+  for (; i < d; ++i) acc[i] = std::fma(p, v[i], acc[i]);
+}
+
+// acc[0..d) = sum over the n slots, in order, of p[j] * v_j (rows `stride` apart), each element
+// by fused multiply-adds from zero: what n calls of `axpy` give, with the sums kept in registers
+// 64 elements at a time.
+inline void weighted_sum(const float* p, const int64_t* slots, int64_t n, const float* v, int64_t stride, float* acc,
+                         int64_t d) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  for (; i + 64 <= d; i += 64) {
+    __m256 sum[8];
+    for (int r = 0; r < 8; ++r) sum[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 pv = _mm256_set1_ps(p[j]);
+      const float* row = v + slots[j] * stride + i;
+      for (int r = 0; r < 8; ++r) sum[r] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + 8 * r), sum[r]);
+    }
+    for (int r = 0; r < 8; ++r) _mm256_storeu_ps(acc + i + 8 * r, sum[r]);
+  }
+#endif
+  if (i < d) {
+    std::fill(acc + i, acc + d, 0.0f);
+    for (int64_t j = 0; j < n; ++j) axpy(p[j], v + slots[j] * stride + i, acc + i, d - i);
+  }
+}
+
+// q: [b, H, T, d] float32; cache_k, cache_v: [b, KVH, capacity, d] (rows contiguous); visible:
+// [b, 1, T, S] bool over the first S slots; scale: the score factor. Query head h reads kv head
+// h / (H / KVH). Returns [b, T, H * d], the layout the output projection reads.
+torch::Tensor attention(torch::Tensor q, torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor visible,
+                        double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && cache_k.scalar_type() == torch::kFloat &&
+                  cache_v.scalar_type() == torch::kFloat, "attention: float32 only");
+  TORCH_CHECK(visible.scalar_type() == torch::kBool && visible.dim() == 4, "attention: visible must be [b, 1, T, S] bool");
+  TORCH_CHECK(cache_k.stride(3) == 1 && cache_v.stride(3) == 1, "attention: cache rows must be contiguous");
+  q = q.contiguous();
+  visible = visible.contiguous();
+  const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), d = q.size(3);
+  const int64_t kv_heads = cache_k.size(1), span = visible.size(3);
+  TORCH_CHECK(heads % kv_heads == 0 && span <= cache_k.size(2) && visible.size(2) == t && visible.size(0) == b &&
+                  cache_k.size(3) == d, "attention: shapes do not fit");
+  const int64_t group = heads / kv_heads, chunks = (span + kChunk - 1) / kChunk;
+  auto out = torch::empty({b, t, heads * d}, q.options());
+  // Per (query row, head, chunk): max, sum of exps, and the exp-weighted values.
+  std::vector<float> part_m(b * t * heads * chunks), part_l(b * t * heads * chunks);
+  std::vector<float> part_acc(b * t * heads * chunks * d);
+  const float* qs = q.data_ptr<float>();
+  const float* ks = cache_k.data_ptr<float>();
+  const float* vs = cache_v.data_ptr<float>();
+  const bool* vis = visible.data_ptr<bool>();
+  const float sc = static_cast<float>(scale);
+  const int64_t k_stride = cache_k.stride(2), v_stride = cache_v.stride(2);
+  // Work items: (batch row, kv head, query row, chunk), each for the group of heads that read that
+  // kv head (their scores two heads at a time, sharing the key loads).
+  at::parallel_for(0, b * kv_heads * t * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(group * kChunk), probs(kChunk);
+    std::vector<int64_t> seen(kChunk);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t c = item % chunks, ti = (item / chunks) % t, kv = (item / (chunks * t)) % kv_heads,
+                    bi = item / (chunks * t * kv_heads);
+      const int64_t s0 = c * kChunk, s1 = std::min(span, s0 + kChunk);
+      const float* kbase = ks + bi * cache_k.stride(0) + kv * cache_k.stride(1);
+      const float* vbase = vs + bi * cache_v.stride(0) + kv * cache_v.stride(1);
+      const bool* row_vis = vis + (bi * t + ti) * span;
+      int64_t n = 0;
+      for (int64_t s = s0; s < s1; ++s)
+        if (row_vis[s]) seen[n++] = s;
+      const float* q0 = qs + ((bi * heads + kv * group) * t + ti) * d;  // head kv * group + g at q0 + g t d
+      for (int64_t j = 0; j < n; ++j) {
+        const float* krow = kbase + seen[j] * k_stride;
+        int64_t g = 0;
+        for (; g + 2 <= group; g += 2)
+          dot_fixed2(q0 + g * t * d, q0 + (g + 1) * t * d, krow, d, &scores[g * kChunk + j], &scores[(g + 1) * kChunk + j]);
+        if (g < group) scores[g * kChunk + j] = dot_fixed(q0 + g * t * d, krow, d);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t part = ((bi * t + ti) * heads + kv * group + g) * chunks + c;
+        float* sg = scores.data() + g * kChunk;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) {
+          sg[j] *= sc;
+          m = std::max(m, sg[j]);
+        }
+        exp_shifted(sg, m, n, probs.data());
+        float l = 0.0f;
+        for (int64_t j = 0; j < n; ++j) l += probs[j];
+        weighted_sum(probs.data(), seen.data(), n, vbase, v_stride, part_acc.data() + part * d, d);
+        part_m[part] = m;  // -inf when the row sees no slot of this chunk (then l = 0, acc = 0)
+        part_l[part] = l;
+      }
+    }
+  });
+  // Merge each (query row, head)'s chunks in index order.
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, b * t * heads, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t h = r % heads, bt = r / heads;
+      float* o = os + bt * heads * d + h * d;
+      float top = -INFINITY;
+      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, part_m[r * chunks + c]);
+      std::fill(o, o + d, 0.0f);
+      if (top == -INFINITY) continue;  // sees no slot at all (not a real query)
+      float total = 0.0f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        if (part_m[r * chunks + c] == -INFINITY) continue;
+        const float w = std::exp(part_m[r * chunks + c] - top);
+        total += part_l[r * chunks + c] * w;
+        axpy(w, part_acc.data() + (r * chunks + c) * d, o, d);
+      }
+      const float inv = 1.0f / total;
+      for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -464,5 +691,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm with per-row-period weights");
   m.def("residual_norm", &residual_norm, "x + norm(y), and the norm of that sum");
   m.def("gated_activation", &gated_activation, "act(gate) * up from a fused gate/up projection");
+  m.def("attention", &attention, "softmax attention of a few queries over the visible cache slots, row by row");
   m.def("rope_write", &rope_write, "rotary embedding of q and k; k and v written to the cache");
 }
