@@ -124,7 +124,8 @@ DEFAULT_VERIFY_COSTS = {  # (overhead, cost per draft token)
 }
 # The output head's share of that per-token cost, which greedy screening pays only for rows up to
 # the first rejection (`CostAwareDraftLength.screened_share`). int8, 400-token context: the head
-# grows by ~0.08 plain steps a row and the rest of the pass by ~0.095 (BENCHMARKS.md, 3 December).
+# grows by ~0.07-0.08 plain steps a row and the rest of the pass by ~0.075-0.095 (BENCHMARKS.md,
+# 3 December, evening and night).
 SCREENED_SHARE = {"cpu-int8": 0.45}
 
 

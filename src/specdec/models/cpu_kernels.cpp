@@ -24,6 +24,20 @@ namespace {
 
 constexpr float kLevels = 63.0f;  // the activation grid of Int8Linear: integers in [-63, 63]
 
+// The float32 data of an optional tensor (a bias), or nullptr; `keep` holds the contiguous tensor read.
+inline const float* optional_data(const c10::optional<torch::Tensor>& t, torch::Tensor& keep) {
+  if (!t.has_value()) return nullptr;
+  keep = t->contiguous();
+  return keep.data_ptr<float>();
+}
+
+// An empty float32 tensor shaped as x with its last dimension n (a linear layer's output).
+inline torch::Tensor empty_with_last(const torch::Tensor& x, int64_t n) {
+  auto shape = x.sizes().vec();
+  shape.back() = n;
+  return torch::empty(shape, x.options().dtype(torch::kFloat));
+}
+
 // One row's two planes (see models/quant.py): high = round(x / s), low = round((x / s - high) * 126),
 // s = max|x| / 63 (at least FLT_MIN so a zero row stays zero). T: float (the planes fed to fbgemm)
 // or int16_t (`int8_columns`); both hold the same integers. Returns s.
@@ -91,19 +105,14 @@ torch::Tensor int8_combine(torch::Tensor sums, torch::Tensor scale, torch::Tenso
   TORCH_CHECK(sums.size(0) >= 1 + 2 * n, "int8_combine: sums has too few rows");
   TORCH_CHECK(x.numel() / x.size(-1) == n, "int8_combine: x and scale differ in rows");
   TORCH_CHECK(ws.scalar_type() == torch::kFloat && ws.numel() >= cols, "int8_combine: ws must be float32 [>= N]");
-  auto shape = x.sizes().vec();
-  shape.back() = cols;
-  auto out = torch::empty(shape, sums.options());
+  auto out = empty_with_last(x, cols);
   const float* hs = sums.data_ptr<float>() + cols;
   const float* ls = hs + n * cols;
-  const float* ss = scale.contiguous().data_ptr<float>();
+  scale = scale.contiguous();
+  const float* ss = scale.data_ptr<float>();
   const float* wss = ws.data_ptr<float>();
   torch::Tensor b;
-  const float* bs = nullptr;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    bs = b.data_ptr<float>();
-  }
+  const float* bs = optional_data(bias, b);
   float* os = out.data_ptr<float>();
   for (int64_t r = 0; r < n; ++r) {
     const float c = ss[r] / (2 * kLevels);
@@ -225,14 +234,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor ws, c1
   const int64_t k = x.size(-1), n = x.numel() / k;
   TORCH_CHECK(k <= kp && k > kp - 16, "int8_linear: x and q differ in input size");
   torch::Tensor b;
-  const float* bs = nullptr;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    bs = b.data_ptr<float>();
-  }
-  auto shape = x.sizes().vec();
-  shape.back() = n_out;
-  auto out = torch::empty(shape, x.options());
+  const float* bs = optional_data(bias, b);
+  auto out = empty_with_last(x, n_out);
   if (n == 0) return out;
   std::vector<int16_t> v;
   std::vector<float> c;
@@ -303,14 +306,8 @@ torch::Tensor int8_columns(torch::Tensor x, torch::Tensor q, torch::Tensor ws, t
   TORCH_CHECK(n_out <= q.size(0), "int8_columns: n_out exceeds q's rows");
   for (int64_t j = 0; j < m; ++j) TORCH_CHECK(is[j] >= 0 && is[j] < n_out, "int8_columns: id out of range");
   torch::Tensor b;
-  const float* bs = nullptr;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    bs = b.data_ptr<float>();
-  }
-  auto shape = x.sizes().vec();
-  shape.back() = m;
-  auto out = torch::empty(shape, x.options());
+  const float* bs = optional_data(bias, b);
+  auto out = empty_with_last(x, m);
   std::vector<int16_t> v;
   std::vector<float> c;
   input_int16(x, kp, v, c);
