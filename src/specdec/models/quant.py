@@ -36,6 +36,8 @@ head's int8 values and scales when the two are tied.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -193,7 +195,12 @@ def _pack_unit_scales(q: Tensor):
     """fbgemm's packed int8 weights [N, K] with every channel's scale 1 (the sums stay integers)."""
     ones = torch.ones(q.shape[0], dtype=torch.double)
     zero = torch.zeros(q.shape[0], dtype=torch.long)
-    return torch.ops.quantized.linear_prepack(torch._make_per_channel_quantized_tensor(q, ones, zero, 0), None)
+    with warnings.catch_warnings():
+        # PyTorch 2.13 warns that quantized tensor types are deprecated, once per process, on the
+        # user's terminal; fbgemm's packed product still needs one as its input.
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+        packed = torch._make_per_channel_quantized_tensor(q, ones, zero, 0)
+    return torch.ops.quantized.linear_prepack(packed, None)
 
 
 def linear_rows(linear: nn.Module, ids: Tensor) -> Tensor:
