@@ -22,7 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", default="none",
                      help="none | ngram | suffix | eagle (the shipped head of the default model) | "
                           "eagle:DIR (a trained head) | PATH of a draft model (HF folder or .gguf) "
-                          "sharing the vocabulary")
+                          "sharing the vocabulary | ngram+eagle, suffix+eagle, ngram+PATH... (lookup "
+                          "where it finds a match, the learned drafter where it does not)")
     gen.add_argument("--draft-p-min", type=float, default=None,
                      help="draft model: stop drafting below this top probability (0 = off)")
     gen.add_argument("--quantize", default="none", choices=["none", "int8"],

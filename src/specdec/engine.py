@@ -17,6 +17,7 @@ import torch
 
 from .drafters import AdaptiveDraftLength, CostAwareDraftLength, NgramDrafter, SuffixDrafter
 from .drafters.base import Drafter, Proposal, TreeDrafter, TreeShape
+from .drafters.combined import LEARNED, LookupFirstDrafter, lookup_first, split_name
 from .drafters.eagle import eagle_head_path, is_eagle_name, make_eagle_drafter
 from .errors import InvalidRequestError, SpecdecError
 from .models import loader
@@ -64,6 +65,11 @@ def draft_model_path(name: str | None) -> Path | None:
     """
     if name in ("none", "", None, "ngram", "suffix"):
         return None
+    if (parts := split_name(name)) is not None:  # ngram+LEARNED: the learned drafter's path
+        if parts[1] in ("none", "", "ngram", "suffix") or split_name(parts[1]):
+            raise InvalidRequestError(f"drafter {name!r}: after {parts[0]}+ comes a learned drafter (eagle, "
+                                      "eagle:DIR or a draft model's path)", "drafter")
+        return draft_model_path(parts[1])
     if is_eagle_name(name):  # `eagle` (the shipped head) or `eagle:PATH`: the head's folder
         return eagle_head_path(name)
     path = Path(name).expanduser()
@@ -84,6 +90,10 @@ def make_drafter(name: str, target: Transformer | None = None, target_tokenizer:
 
     if draft_p_min is not None:
         check_draft_p_min(draft_p_min)
+    if (parts := split_name(name)) is not None:
+        draft_model_path(name)  # the learned part must be one
+        learned = make_drafter(parts[1], target, target_tokenizer, draft_p_min, progress)
+        return lookup_first(make_drafter(parts[0]), learned)
     if is_eagle_name(name):
         if target is None:
             raise ValueError("an EAGLE head is made for a loaded target: pass `target`")
@@ -107,7 +117,7 @@ def make_drafter(name: str, target: Transformer | None = None, target_tokenizer:
 
 
 def _no_trees(name: str) -> InvalidRequestError:
-    return InvalidRequestError(f"drafter {name!r} cannot propose draft trees; eagle and ngram can", "draft_tree")
+    return InvalidRequestError(f"drafter {name!r} cannot propose draft trees; eagle, ngram and ngram+eagle can", "draft_tree")
 
 
 DRAFT_LENGTHS = ("fixed", "adaptive", "cost")
@@ -326,7 +336,9 @@ class Engine:
         # after the target, whose vocabulary, device and dtype it takes.
         draft_path = draft_model_path(drafter)
         made = None if draft_path else make_drafter(drafter, draft_p_min=draft_p_min)
-        if draft_tree is not None and not is_eagle_name(drafter) and not isinstance(made, TreeDrafter):
+        parts = split_name(drafter)
+        tree_names = is_eagle_name(drafter) or (parts is not None and parts[0] == "ngram" and is_eagle_name(parts[1]))
+        if draft_tree is not None and not tree_names and not isinstance(made, TreeDrafter):
             raise _no_trees(drafter)
         model, folder = loader.load(target, torch_dtype, device, progress)
         model = quantize_model(model, quantize)
@@ -511,7 +523,12 @@ class Engine:
         else:
             k = max(1, length.next_k())  # a model drafter drafts at least one token
         k = min(k, allowance)
-        proposal = drafter.propose(context, k)
+        if isinstance(drafter, LookupFirstDrafter):
+            # Where lookup finds nothing, the learned drafter drafts what the rule wants for its
+            # kind (a fixed length: k).
+            proposal = drafter.propose(context, k, fallback_k=k if length is None else max(1, length.next_k(LEARNED)))
+        else:
+            proposal = drafter.propose(context, k)
         if length is not None:
             k = min(k, length.next_k(proposal.source))
         q = None if proposal.q is None else proposal.q[:k]

@@ -11,6 +11,7 @@ An option is `key=value` or a bare flag (`adaptive`). Examples::
     suffix:k=5                 suffix cache (learns across the requests of the run)
     draft:model=PATH:k=4       a draft model (or give --draft-model PATH once)
     eagle:k=5                  the shipped EAGLE head (eagle:head=DIR for another one)
+    eagle:k=8:lookup=ngram     prompt lookup first, the EAGLE head where lookup finds nothing
     plain:quantize=int8        the same target quantised (when Engine.load takes `quantize`)
     hf                         HF transformers generate, greedy, float32
     hf-lookup:k=10             HF prompt-lookup assisted generation (prompt_lookup_num_tokens)
@@ -43,7 +44,7 @@ KINDS: dict[str, tuple[str, dict[str, object]]] = {
     "draft": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "model": str, "p_min": float,
                           "dtype": _DTYPE, "quantize": str}),
     "eagle": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str, "head": str, "p_min": float,
-                          "dtype": _DTYPE, "quantize": str}),
+                          "lookup": str, "dtype": _DTYPE, "quantize": str}),
     "hf": ("hf", {"dtype": _DTYPE}),
     "hf-lookup": ("hf", {"k": int, "n": int, "dtype": _DTYPE}),
     "hf-assist": ("hf", {"k": int, "adaptive": "flag", "model": str, "dtype": _DTYPE}),
@@ -154,8 +155,10 @@ def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
     if kind == "eagle":
         from ..drafters.eagle import eagle_head_path
 
+        if options.get("lookup") == "suffix" and "tree" in options:
+            raise InvalidRequestError(f"{item!r}: suffix lookup drafts no trees; use lookup=ngram", "configs")
         try:  # a missing head fails now, not after the target loads
-            eagle_head_path(eagle_name(options))
+            eagle_head_path(eagle_name({**options, "lookup": None}))
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{item!r}: {exc}", "configs") from None
     if kind in ("ngram", "suffix"):
@@ -169,8 +172,10 @@ def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
 
 
 def eagle_name(options: dict) -> str:
-    """The drafter name Engine.load / make_drafter take: `eagle` or `eagle:DIR`."""
-    return f"eagle:{options['head']}" if options.get("head") else "eagle"
+    """The drafter name Engine.load / make_drafter take: `eagle` or `eagle:DIR`, after `LOOKUP+`
+    with the lookup option."""
+    head = f"eagle:{options['head']}" if options.get("head") else "eagle"
+    return f"{options['lookup']}+{head}" if options.get("lookup") else head
 
 
 def lookup_drafter(kind: str, options: dict):
@@ -192,6 +197,8 @@ def _convert(item: str, key: str, value: str, kind_of) -> object:
         raise InvalidRequestError(f"{item!r}: p_min must be in [0, 1]", "configs")
     if key == "dtype" and converted not in DTYPE_NAMES:
         raise InvalidRequestError(f"{item!r}: dtype must be one of {', '.join(DTYPE_NAMES)}", "configs")
+    if key == "lookup" and converted not in ("ngram", "suffix"):
+        raise InvalidRequestError(f"{item!r}: lookup must be ngram or suffix", "configs")
     if key == "quantize" and converted not in QUANTIZE_NAMES:
         raise InvalidRequestError(f"{item!r}: quantize must be one of {', '.join(QUANTIZE_NAMES)}", "configs")
     return converted

@@ -1,0 +1,95 @@
+"""Prompt lookup where it finds a match, a learned drafter where it does not (`ngram+eagle`).
+
+The two kinds of drafter are good at different text. Lookup is free and often right for many
+tokens at once, but only where the text repeats itself (summaries, code edits, retrieved passages);
+a learned drafter (the EAGLE head, a draft model) pays a small forward per token but guesses from
+the target's own features anywhere. Asking lookup first and the learned drafter only where lookup
+has nothing keeps lookup's long free drafts and fills its gaps.
+
+Each proposal says where it came from (`Proposal.source`): the lookup's own label (its match
+length) or `LEARNED`, so the engine's cost-aware draft length keeps a separate acceptance estimate
+for each and sizes the learned drafts by theirs (`fallback_k`). Verification is the same for both,
+so the combination is exactly as lossless as its parts.
+"""
+
+from __future__ import annotations
+
+from specdec.drafters.base import Proposal
+from specdec.verify import TokenTree
+
+LEARNED = "learned"  # Proposal.source of the learned drafter's guesses
+
+
+class LookupFirstDrafter:
+    """`lookup` (ngram / suffix) first; `learned` (a drafter with `observe` or a draft model) when
+    the lookup proposes nothing. `fallback_k` caps the learned drafter's chain when the engine
+    gives no length of its own for it."""
+
+    labels_proposals = True  # lookup labels its proposals; the learned ones are labelled LEARNED
+
+    def __init__(self, lookup, learned, fallback_k: int = 4):
+        self.lookup = lookup
+        self.learned = learned
+        self.fallback_k = fallback_k
+        self.name = f"{lookup.name}+{learned.name}"
+        self._last = lookup
+
+    def begin(self, prompt_ids: list[int], sampling=None, generator=None) -> None:
+        self.lookup.begin(prompt_ids, sampling, generator)
+        self.learned.begin(prompt_ids, sampling, generator)
+        self._last = self.lookup
+
+    def observe(self, hidden) -> None:
+        # Every committed token's feature goes to the learned drafter, lookup steps included: it
+        # rebuilds its state from them the next time it is asked.
+        observe = getattr(self.learned, "observe", None)
+        if observe is not None:
+            observe(hidden)
+
+    def propose(self, context: list[int], k: int, fallback_k: int | None = None) -> Proposal:
+        """Lookup's proposal of up to `k` tokens if it has one, else up to `fallback_k` (default
+        `self.fallback_k`, never more than `k`) from the learned drafter, labelled `LEARNED`."""
+        proposal = self.lookup.propose(context, k)
+        if proposal.tokens:
+            self._last = self.lookup
+            return proposal
+        self._last = self.learned
+        n = min(k, self.fallback_k if fallback_k is None else fallback_k)
+        if n <= 0:
+            return Proposal([])
+        learned = self.learned.propose(context, n)
+        return Proposal(learned.tokens, learned.q, source=LEARNED)
+
+    def feedback(self, num_accepted: int) -> None:
+        self._last.feedback(num_accepted)
+
+    def end(self, output_ids: list[int]) -> None:
+        self.lookup.end(output_ids)
+        self.learned.end(output_ids)
+
+
+class LookupFirstTreeDrafter(LookupFirstDrafter):
+    """The same, for two drafters that both propose trees (ngram and the EAGLE head)."""
+
+    def propose_tree(self, context: list[int], depth: int = 5, top_k: int = 4, budget: int = 24) -> TokenTree:
+        tree = self.lookup.propose_tree(context, depth, top_k, budget)
+        if len(tree):
+            self._last = self.lookup
+            return tree
+        self._last = self.learned
+        return self.learned.propose_tree(context, depth, top_k, budget)
+
+
+def lookup_first(lookup, learned, fallback_k: int = 4) -> LookupFirstDrafter:
+    """The combination, able to draft trees when both parts can."""
+    trees = all(callable(getattr(d, "propose_tree", None)) for d in (lookup, learned))
+    return (LookupFirstTreeDrafter if trees else LookupFirstDrafter)(lookup, learned, fallback_k)
+
+
+def split_name(name: object) -> tuple[str, str] | None:
+    """`ngram+LEARNED` / `suffix+LEARNED` -> (lookup name, learned name); None for any other name
+    (a path with a `+` in it stays a path)."""
+    if not isinstance(name, str):
+        return None
+    lookup, plus, learned = name.partition("+")
+    return (lookup, learned) if plus and lookup in ("ngram", "suffix") else None
