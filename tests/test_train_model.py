@@ -164,6 +164,34 @@ def tiny_tokenizer(folder):
                             pad_token="<pad>").save_pretrained(str(folder))
 
 
+def test_text_data_is_the_target_reading_the_local_texts(tiny_models, tmp_path, monkeypatch):
+    """`text_data`: paragraphs packed into windows that start with BOS, cut at `positions` in all,
+    and every stored feature is the target's own hidden state on exactly those ids."""
+    import random
+
+    import specdec.train
+    from specdec.tokenizer import Tokenizer
+
+    target, folder = tiny_models["llama"]["target"], tmp_path / "tok"
+    folder.mkdir()
+    tiny_tokenizer(folder)
+    tok = Tokenizer.from_folder(folder)
+    paras = [" ".join(f"w{(i * 5 + j) % 90 + 3}" for j in range(10 + i)) for i in range(30)]
+    monkeypatch.setattr(specdec.train, "local_texts", lambda: ([], paras))
+    data = specdec.train.text_data(target, tok, 100, 32, random.Random(0))
+    assert sum(len(t) for t in data.tokens) == 100
+    assert all(2 <= len(t) <= 32 and int(t[0]) == 1 for t in data.tokens)
+    assert all(len(g) == 0 for g in data.greedy)
+    for ids, feats in zip(data.tokens, data.features):
+        with torch.inference_mode():
+            _, hidden = target(ids[None], torch.arange(len(ids))[None], target.new_cache(1, len(ids)))
+        torch.testing.assert_close(feats, hidden[0], atol=0, rtol=0)
+    # Every word of the texts that fit is there, in some window, in the shuffled order's packing.
+    everything = specdec.train.text_data(target, tok, 10 ** 6, 10 ** 4, random.Random(0))
+    words, separator = sum(10 + i for i in range(30)), [i for i in tok.encode("\n\n") if i != 1]
+    assert len(everything.tokens) == 1 and len(everything.tokens[0]) == 1 + words + 29 * len(separator)
+
+
 def test_cli_train_draft_model_then_generate(tiny_models, tmp_path, monkeypatch, capsys):
     """`specdec train-draft --kind model` on a target with a tokenizer, resumed, then
     `specdec generate --drafter OUT --compare`: the tokenizer files travel with the draft."""
@@ -180,8 +208,11 @@ def test_cli_train_draft_model_then_generate(tiny_models, tmp_path, monkeypatch,
     out = tmp_path / "draft"
     base = ["train-draft", "--kind", "model", "--target", str(folder), "--out", str(out), "--layers", "2",
             "--num-seeds", "6", "--gen-tokens", "10", "--gen-batch", "3", "--batch-tokens", "40",
-            "--draft-vocab", "50", "--checkpoint-every", "1"]
+            "--draft-vocab", "50", "--checkpoint-every", "1", "--text-positions", "70", "--text-window", "30"]
     assert main(base + ["--steps", "2"]) == 0
+    data = DistillData(**torch.load(out / DATA_FILE))
+    read = [len(t) for t, g in zip(data.tokens, data.greedy) if len(g) == 0]
+    assert sum(read) == 70 and len(data.tokens) == 6 + len(read)  # 6 generated sequences, then the text
     assert main(base + ["--steps", "3", "--resume"]) == 0
     assert "resuming at step 2" in capsys.readouterr().out
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
