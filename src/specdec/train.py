@@ -201,9 +201,10 @@ def text_data(target, tokenizer, positions: int, window: int, rng: random.Random
     and every position's feature is kept, up to `positions` positions in all.
 
     EAGLE trains on a fixed corpus's features; this is that, from what the machine holds. It costs
-    only the target's layers (no output head, no decoding loop): ~500 positions/s on 2 cores for
-    Gemma 3 270M in float32, against ~190 tokens/s for batched greedy generation, so it buys the
-    head far more varied contexts than the generated continuations alone.
+    only the target's layers (no output head, no decoding loop): ~420 positions/s on a busy 2-core
+    CPU for Gemma 3 270M in float32, against ~80 (seed and continuation together) for batched
+    greedy generation, so it buys the head far more varied contexts per minute. (Measured on the
+    default model: it did not raise the head's accuracy on new questions; BENCHMARKS.md.)
     """
     funcs, paras = local_texts()
     pieces = paras + [doc for _, doc in funcs]
