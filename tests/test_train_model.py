@@ -192,6 +192,16 @@ def test_text_data_is_the_target_reading_the_local_texts(tiny_models, tmp_path, 
     assert len(everything.tokens) == 1 and len(everything.tokens[0]) == 1 + words + 29 * len(separator)
 
 
+def test_text_positions_need_a_tokenizer(tiny_models, tmp_path, capsys):
+    """A weights-only target has no text to read: one clear line and exit 2, before any generation."""
+    folder = str(tiny_models["llama"]["folder"])
+    code = main(["train-draft", "--target", folder, "--out", str(tmp_path / "o"), "--num-seeds", "4",
+                 "--gen-tokens", "4", "--text-positions", "50", "--steps", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "--text-positions needs a target with a tokenizer" in err
+    assert not (tmp_path / "o" / DATA_FILE).exists()
+
+
 def test_cli_train_draft_model_then_generate(tiny_models, tmp_path, monkeypatch, capsys):
     """`specdec train-draft --kind model` on a target with a tokenizer, resumed, then
     `specdec generate --drafter OUT --compare`: the tokenizer files travel with the draft."""

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import json
 import math
 import random
@@ -102,9 +103,11 @@ NAMES = ["Ana", "Ben", "Chloe", "Dev", "Elif", "Farid", "Grace", "Hiro", "Ines",
 ITEMS = ["apples", "books", "marbles", "stickers", "pencils", "cookies", "stamps", "coins"]
 
 
-def local_texts(limit_files: int = 4000) -> tuple[list[tuple[str, str]], list[str]]:
+@functools.cache
+def local_texts(limit_files: int = 4000) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
     """(function name, docstring) pairs from the standard library and prose paragraphs from
-    installed packages' docs, in a deterministic order."""
+    installed packages' docs, in a deterministic order. Cached: a scan parses a few thousand files
+    (~11 s here) and seeds, text data and the sub-vocabulary all read it."""
     import sysconfig
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -133,7 +136,13 @@ def local_texts(limit_files: int = 4000) -> tuple[list[tuple[str, str]], list[st
         for p in text.split("\n\n"):
             if _prose(p.strip(), 200):
                 paras.append(p.strip())
-    return funcs, paras
+    return tuple(funcs), tuple(paras)
+
+
+def local_pieces() -> list[str]:
+    """Every local text as one list: the prose paragraphs, then the functions' docstrings."""
+    funcs, paras = local_texts()
+    return [*paras, *(doc for _, doc in funcs)]
 
 
 def _prose(p: str, min_len: int) -> bool:
@@ -206,8 +215,7 @@ def text_data(target, tokenizer, positions: int, window: int, rng: random.Random
     greedy generation, so it buys the head far more varied contexts per minute. (Measured on the
     default model: it did not raise the head's accuracy on new questions; BENCHMARKS.md.)
     """
-    funcs, paras = local_texts()
-    pieces = paras + [doc for _, doc in funcs]
+    pieces = local_pieces()
     rng.shuffle(pieces)
     bos = [target.config.bos_token_id] if target.config.bos_token_id is not None else []
     device = target.embed_tokens.weight.device
@@ -307,8 +315,7 @@ def choose_d2t(data: DistillData, vocab: int, size: int, always: tuple[int, ...]
         chosen.index_add_(0, g, torch.ones(len(g), dtype=torch.float64))
     text = torch.zeros(vocab, dtype=torch.float64)
     if tokenizer is not None:
-        funcs, paras = local_texts()
-        for piece in paras + [doc for _, doc in funcs]:
+        for piece in local_pieces():
             ids = torch.tensor([i for i in tokenizer.encode(piece) if 0 <= i < vocab], dtype=torch.long)
             text.index_add_(0, ids, torch.ones(len(ids), dtype=torch.float64))
     # Any id the target chose outranks every id seen only in text.
@@ -654,6 +661,8 @@ def distillation_data(target, tokenizer, out: Path, cfg: TrainConfig, resume: bo
         data = DistillData(**torch.load(data_path))
         log(f"reusing {len(data.tokens)} sequences from {data_path}")
         return data
+    if tokenizer is None and cfg.text_positions > 0:
+        raise InvalidRequestError("--text-positions needs a target with a tokenizer: it reads text", "text_positions")
     rng = random.Random(cfg.seed)
     if tokenizer is not None:
         bos = [tcfg.bos_token_id] if tcfg.bos_token_id is not None else []
@@ -669,7 +678,7 @@ def distillation_data(target, tokenizer, out: Path, cfg: TrainConfig, resume: bo
     data = generate_data(target, seed_ids, cfg.gen_tokens, cfg.gen_batch,
                          progress=lambda done, total: bar.update(done - bar.n))
     bar.close()
-    if tokenizer is not None and cfg.text_positions > 0:
+    if cfg.text_positions > 0:
         bar = _bar(cfg.text_positions, "reading text")
         text = text_data(target, tokenizer, cfg.text_positions, cfg.text_window, rng,
                          progress=lambda done, total: bar.update(done - bar.n))
