@@ -26,11 +26,11 @@ def kernels():
 def test_int8_linear_compiled_paths_equal_pytorch_path(kernels, out_features, in_features, bias):
     # The compiled product (int16 grid, padded shapes: 333 x 100, 64 x 520), fbgemm's product with
     # compiled planes and rescaling, and the PyTorch reference all give the same bits; 70000 x 640
-    # is a head-sized table (fbgemm for 1-2 rows), 2100 inputs cross the 2048-input block.
+    # is a head-sized table, 2100 inputs cross the 2048-input block.
     g = torch.Generator().manual_seed(out_features)
     lin = Int8Linear(torch.randn(out_features, in_features, generator=g) * 0.05,
                      torch.randn(out_features, generator=g) if bias else None)
-    assert (lin._packed is not None) == (out_features >= 65536)  # fbgemm kept only where it is faster
+    assert lin._packed is None  # with the compiled kernels, fbgemm's packed copy is made only for the reference
     x = torch.randn(9, in_features, generator=g)
     x[2] = 0.0  # a zero row keeps a tiny scale and stays zero
     x[5] *= 1e4  # a row with a far larger range
@@ -40,8 +40,8 @@ def test_int8_linear_compiled_paths_equal_pytorch_path(kernels, out_features, in
         assert torch.equal(compiled, reference)  # same integers, same output formula: bit-identical
         assert torch.equal(lin.forward_fbgemm(x, kernels), reference)
         assert torch.equal(compiled[2], lin.bias if bias else torch.zeros(out_features))
-        # Row independence, the property speculative greedy decoding relies on: one and two rows
-        # (fbgemm's share for a head-sized table) and blocks of any size give the same rows.
+        # Row independence, the property speculative greedy decoding relies on: one row, two rows
+        # and blocks of any size give the same rows.
         for i in range(len(x)):
             assert torch.equal(lin(x[i : i + 1])[0], compiled[i])
         assert torch.equal(lin(x[3:5]), compiled[3:5])

@@ -84,6 +84,10 @@ torch::Tensor int8_planes(torch::Tensor x, torch::Tensor block) {
 
 constexpr int64_t kBlockK = 2048;
 constexpr int64_t kBlockM = 48;  // rows of x a thread keeps hot while it streams the weights
+// Up to this many rows, int8_linear widens the weights in registers at every use rather than once
+// into a buffer. With the next tile prefetched this measured faster or equal for 1-32 rows here
+// (BENCHMARKS.md, 4 December evening), and slower for a 688-token prefill.
+constexpr int64_t kDirectRows = 32;
 
 // The one output formula (exact integer sum -> float).
 inline float int8_output(double sum, float c, float w_scale, const float* bias) {
@@ -147,6 +151,13 @@ inline void input_int16(const torch::Tensor& x, int64_t kp, std::vector<int16_t>
 #if defined(__AVX2__)
 inline __m256i widen(const int8_t* p) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Ask for every cache line of the `bytes` weights at p (not past `end`) while the current tile is
+// computed: a decoding step streams ~270 MB of int8 weights that no cache holds.
+inline void prefetch_weights(const int8_t* p, int64_t bytes, const int8_t* end) {
+  const int64_t room = std::min<int64_t>(bytes, end - p);
+  for (int64_t b = 0; b < room; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + b), _MM_HINT_T0);
 }
 
 // The exact sums of MT rows of v (stride kp) with 4 weight rows over inputs [k0, k1), k1 - k0 <=
@@ -245,9 +256,10 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor ws, c1
   float* os = out.data_ptr<float>();
   at::parallel_for(0, n4 / 4, 8, [&](int64_t t0, int64_t t1) {
 #if defined(__AVX2__)
-    // With more than 2 rows each weight is used many times: widen a 4-row tile once into a buffer
-    // (32-byte aligned for the loads).
-    std::vector<int16_t> buffer(n > 2 ? 4 * kp + 16 : 0);
+    // A block of more than kDirectRows rows (a prefill) uses each weight many times: widen a 4-row
+    // tile once into a buffer (32-byte aligned for the loads). Fewer rows (decode and verify) widen
+    // the int8 weights in registers as they go.
+    std::vector<int16_t> buffer(n > kDirectRows ? 4 * kp + 16 : 0);
     int16_t* wide = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 31) & ~uintptr_t{31});
 #endif
     for (int64_t m0 = 0; m0 < n; m0 += kBlockM) {
@@ -257,14 +269,17 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor ws, c1
         const int8_t* w = qs + col * kp;
         const float* bcol = bs ? bs + col : nullptr;
 #if defined(__AVX2__)
-        _mm_prefetch(reinterpret_cast<const char*>(w + 8 * kp), _MM_HINT_T0);
         int64_t m = m0;
-        if (n <= 2) {
+        if (n <= kDirectRows) {
+          prefetch_weights(w + 4 * kp, 4 * kp, qs + n4 * kp);  // the next tile
           for (; m + 2 <= m1; m += 2)
             tile<2>(w, v.data() + m * kp, kp, c.data() + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
           if (m < m1) tile<1>(w, v.data() + m * kp, kp, c.data() + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
           continue;
         }
+        // A prefill reuses each tile for up to kBlockM rows: one line two tiles ahead was faster
+        // here than the whole next tile (688 rows: ~1.4 against ~1.7 s for the model's pass).
+        _mm_prefetch(reinterpret_cast<const char*>(w + 8 * kp), _MM_HINT_T0);
         for (int64_t i = 0; i < 4 * kp; i += 16)
           _mm256_store_si256(reinterpret_cast<__m256i*>(wide + i), widen(w + i));
         for (; m + 2 <= m1; m += 2)
@@ -317,6 +332,9 @@ torch::Tensor int8_columns(torch::Tensor x, torch::Tensor q, torch::Tensor ws, t
   at::parallel_for(0, m, 256, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
       const int8_t* w = qs + is[j] * kp;
+#if defined(__AVX2__)
+      if (j + 1 < j1) prefetch_weights(qs + is[j + 1] * kp, kp, qs + q.size(0) * kp);  // rows gathered: no stream to detect
+#endif
       for (int64_t r = 0; r < n; ++r) {
         const int16_t* vr = v.data() + r * kp;
         double sum = 0.0;

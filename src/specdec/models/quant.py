@@ -24,10 +24,11 @@ the input carries ~13 bits: x_r / s_r ~= (126 high + low) / 126. fbgemm scores b
 packed with unit scales, so each plane's sum comes back as an exact integer); the compiled kernel
 `int8_linear` (cpu_kernels.cpp) puts v = 126 high + low in one int16 and needs one multiply-add per
 weight instead of two. Both yield the same exact S = sum_i w_i v_i and the one output formula
-float(S) * (s_r / 126) * w_scale (+ bias), so they agree bit for bit and a layer may use either
-per call: the compiled kernel everywhere (measured here: 1.3-3.7x fbgemm per layer for 1-9 rows,
-and faster for a prefill too), fbgemm only for one or two rows of a table as large as an output
-head, where it streams the weights faster.
+float(S) * (s_r / 126) * w_scale (+ bias), so they agree bit for bit. The compiled kernel is used
+wherever it is built (measured here: 1.3-3.7x fbgemm per layer for 1-9 rows, faster for a prefill,
+and, since it prefetches each next weight tile, as fast as fbgemm for one or two rows of Gemma's
+262144 x 640 output head, which saves fbgemm's packed copy of it); fbgemm is the path without it,
+and the reference the tests hold it to.
 
 Quantisation changes the target model (plain and speculative decoding are then compared with the
 same quantised target, and both are exact with respect to it). The embedding table shares the
@@ -48,13 +49,6 @@ QUANT_MODES = ("none", "int8")
 _LEVELS = 63  # activation grid per plane: integers in [-63, 63] (7-bit, see the module doc)
 _linear_dynamic = torch.ops.quantized.linear_dynamic.default
 _REUSED_ROWS = 64  # input blocks of up to this many rows a plane reuse one buffer (`_input_block`)
-# Where fbgemm's product is used next to the compiled one: tables of at least this many outputs
-# (an output head) with at most this many inputs (its float sums are then exact), for products
-# of at most this many rows. Measured here for Gemma's 262144 x 640 head: 8.9 against 10.4 ms for
-# one row, 10.3 against 11.3 for two, and the compiled kernel ahead from three rows on.
-_FBGEMM_MIN_OUT = 65536
-_FBGEMM_MAX_IN = 2048
-_FBGEMM_MAX_ROWS = 2
 
 
 def quantize_rows(weight: Tensor, chunk: int = 8192) -> tuple[Tensor, Tensor]:
@@ -94,11 +88,9 @@ class Int8Linear(nn.Module):
             self._q = q if (n4, k16) == (n, k) else F.pad(q, (0, k16 - k, 0, n4 - n))
             self._scale4 = scale if n4 == n else F.pad(scale, (0, n4 - n))
         # fbgemm's kernel (weights packed with unit scales, so that its float sums are the exact
-        # integers): the PyTorch path's product, and, next to the compiled kernels, the faster one
-        # for a one- or two-row product with a table as large as Gemma's output head.
-        self._packed = None
-        if kernels is None or (n >= _FBGEMM_MIN_OUT and k <= _FBGEMM_MAX_IN):
-            self._packed = _pack_unit_scales(q)
+        # integers): the PyTorch path's product, packed here only where the compiled kernels are
+        # missing (`_fbgemm` packs it on first use for the reference).
+        self._packed = None if kernels is not None else _pack_unit_scales(q)
         guard = torch.zeros(1, self.in_features)
         guard[0, 0], guard[0, -1] = -float(_LEVELS + 1), float(_LEVELS)
         self.register_buffer("_guard", guard, persistent=False)
@@ -141,8 +133,6 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in_features]
         kernels = cpu_kernels.load()
         if kernels is not None and self._q is not None and x.dtype == torch.float32 and not x.is_cuda:
-            if self._packed is not None and x.numel() <= _FBGEMM_MAX_ROWS * self.in_features:
-                return self.forward_fbgemm(x, kernels)
             return kernels.int8_linear(x, self._q, self._scale4, self.bias, self.out_features)
         lead = x.shape[:-1]
         out = self.forward_rows(x.reshape(-1, self.in_features).float()).view(*lead, self.out_features)
