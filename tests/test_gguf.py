@@ -86,3 +86,10 @@ def test_tiny_gguf_matches_safetensors(tmp_path, monkeypatch, q8):
     # The second load reads the conversion cache.
     again, _ = loader.load(tmp_path / "tiny.gguf", torch.float32, "cpu")
     assert torch.equal(logits(again), logits(from_gguf))
+    # Large tables are dequantised a block of rows at a time: blocks of 7 rows (the last one short)
+    # write the very same file as whole tensors.
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache-blocks"))
+    monkeypatch.setattr(loader, "_GGUF_BLOCK_ROWS", 7)
+    blocked = loader.resolve(tmp_path / "tiny.gguf")
+    whole = tmp_path / "cache" / "gguf" / blocked.name
+    assert (blocked / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()

@@ -1,13 +1,18 @@
 """Weights from disk: an HF folder (config.json + *.safetensors) or a GGUF file.
 
-Both end as `ModelConfig` + a state dict in HF's tensor names, so there is one model path. A GGUF
+Both end as `ModelConfig` + safetensors in HF's tensor names, so there is one model path. A GGUF
 file is converted once into an HF-style folder under the conversion cache (dequantised float32
 safetensors, a config.json and the tokenizer built from the GGUF metadata); later loads of the same
 file read that folder, which takes seconds instead of dequantising again.
+
+Memory: the conversion writes one tensor at a time, and a load reads each tensor as the model
+takes it (`StoredTensor`), so the peak is about the weights kept, not twice them; an int8 load
+reads the float weights in blocks of rows and keeps only their int8 form.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -216,32 +221,119 @@ def _strip_prefix(name: str) -> str | None:
     return None  # vision tower and other parts we do not run
 
 
-def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+_ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
 
+
+class StoredTensor:
+    """One tensor of a safetensors file, read on demand: `load()` all of it, `read_into` some rows.
+
+    Reads are plain file reads into tensors: nothing is memory-mapped, so a load holds only the
+    tensors it keeps plus the block it is reading. (A mapped file's touched pages count in the
+    process's resident memory until it is unmapped: mapping Gemma 3 270M's 1 GB float32 file to
+    quantise it would cost that gigabyte at the peak.) Quantising reads the output head a block of
+    rows at a time (`quant.quantize_rows`).
+    """
+
+    def __init__(self, path: Path, dtype: torch.dtype, shape: tuple[int, ...], offset: int):
+        self.path, self.dtype, self.shape, self.offset = path, dtype, shape, offset
+        self.device = torch.device("cpu")
+
+    def read_into(self, start: int, out: torch.Tensor) -> None:
+        """Read rows start .. start + len(out) into `out` (converted to its dtype if need be)."""
+        row_numel = 1
+        for d in self.shape[1:]:
+            row_numel *= d
+        target = out if out.dtype == self.dtype and out.is_contiguous() else torch.empty(out.shape, dtype=self.dtype)
+        raw = target.reshape(-1).view(torch.uint8).numpy()  # its bytes, to read into
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.offset + start * row_numel * target.element_size())
+            done = 0
+            while done < raw.nbytes:
+                n = f.readinto(memoryview(raw)[done:])
+                if not n:
+                    raise ModelLoadError(f"{self.path}: file ends inside a tensor (truncated?)")
+                done += n
+        if target is not out:
+            out.copy_(target)
+
+    def load(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.read_into(0, out)
+        return out
+
+
+def _read_header(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= 100_000_000:
+                raise ValueError(f"header size {size}")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not a readable safetensors file ({exc})") from exc
+    header.pop("__metadata__", None)
+    return {name: (entry, 8 + size) for name, entry in header.items()}
+
+
+def read_safetensors_folder(folder: Path) -> dict[str, StoredTensor]:
+    """The tensors of a folder's *.safetensors files by their short names, not yet read."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder}: no *.safetensors files")
     state = {}
     for file in files:
-        try:
-            tensors = load_file(str(file))
-        except Exception as exc:
-            raise ModelLoadError(f"{file}: not a readable safetensors file ({exc})") from exc
-        for name, tensor in tensors.items():
+        for name, (entry, data_start) in _read_header(file).items():
             short = _strip_prefix(name)
-            if short is not None:
-                state[short] = tensor
+            if short is None:
+                continue
+            dtype = _ST_DTYPES.get(entry.get("dtype"))
+            if dtype is None:
+                raise ModelLoadError(f"{file}: tensor {name} has unsupported dtype {entry.get('dtype')!r}")
+            state[short] = StoredTensor(file, dtype, tuple(entry["shape"]), data_start + entry["data_offsets"][0])
     return state
 
 
-def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device) -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    if cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)
+def write_safetensors(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], blocks) -> None:
+    """Write a safetensors file a piece at a time: `specs` gives every tensor's name, dtype and shape
+    up front (the header comes first), then `blocks` yields the tensors in that order, each whole
+    or as consecutive blocks of its rows. Holds one block at a time, where
+    `safetensors.save_file` needs every tensor at once."""
+    header, offset, sizes = {"__metadata__": {"format": "pt"}}, 0, []
+    for name, dtype, shape in specs:
+        nbytes = torch.empty((), dtype=dtype).element_size()
+        for d in shape:
+            nbytes *= d
+        header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        sizes.append(nbytes)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format pads the header so the data starts 8-aligned
+    blocks = iter(blocks)
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        for (name, dtype, shape), size in zip(specs, sizes):
+            written = 0
+            while written < size:
+                block = next(blocks, None)
+                if block is None or block.dtype != dtype or tuple(block.shape[1:]) != tuple(shape[1:]):
+                    got = "nothing" if block is None else f"{block.dtype} {tuple(block.shape)}"
+                    raise ValueError(f"tensor {name} ({dtype} {shape}): got {got}")
+                data = block.contiguous().reshape(-1).view(torch.uint8).numpy()
+                f.write(data.tobytes())
+                written += data.nbytes
+            if written != size:
+                raise ValueError(f"tensor {name}: {written} bytes written, {size} announced")
+        if next(blocks, None) is not None:
+            raise ValueError("more tensors than announced")
+
+
+def _check_weights(model: Transformer, state: dict) -> set[str]:
+    """The names `model` needs from `state` (all present, with the right shapes), else a clear error."""
     expected = set(model.state_dict().keys())
-    if cfg.tie_embeddings:
+    if model.config.tie_embeddings:
         expected.discard("lm_head.weight")
     missing = sorted(expected - state.keys())
     if missing:
@@ -249,9 +341,47 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     for name, param in model.state_dict().items():
         if name in state and tuple(state[name].shape) != tuple(param.shape):
             raise ModelLoadError(f"tensor {name} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}")
-    state = {k: v.to(dtype) for k, v in state.items() if k in expected}
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_embeddings:
+    return expected
+
+
+@contextlib.contextmanager
+def _skeleton():
+    """Build modules on the meta device without running their random initialisers (PyTorch's own
+    `nn.init` functions, swapped for no-ops meanwhile): the weights are about to be replaced, and
+    initialising a meta tensor runs PyTorch's Python decompositions, whose first use imports ~900
+    modules (measured: ~75 MB resident for the life of the process). Loads run on one thread."""
+    from torch.nn import init
+
+    names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "xavier_uniform_",
+             "xavier_normal_", "zeros_", "ones_", "constant_")
+    saved = {name: getattr(init, name) for name in names}
+    try:
+        for name in names:
+            setattr(init, name, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(init, name, fn)
+
+
+def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device, quantize: str = "none") -> Transformer:
+    """A `Transformer` from `state` (tensors, or `StoredTensor`s read one at a time as they are
+    placed). `quantize="int8"` puts every linear layer and the output head on int8 as it reads
+    them (`quant.quantize_model`), so the float weights are never all in memory at once."""
+    from .quant import quantize_model
+
+    with _skeleton():
+        model = Transformer(cfg)
+    expected = _check_weights(model, state)
+    if quantize != "none":
+        quantize_model(model, quantize, weights=state)  # replaces the linears and the embedding
+        expected = {name for name, param in model.named_parameters() if param.is_meta}
+    for name in sorted(expected):
+        tensor = state[name]
+        tensor = tensor.load() if isinstance(tensor, StoredTensor) else tensor
+        model.load_state_dict({name: tensor.to(dtype)}, strict=False, assign=True)
+    if cfg.tie_embeddings and quantize == "none":
         model.lm_head.weight = model.embed_tokens.weight
     # Non-persistent buffers (rope tables) were made on meta: rebuild them for real.
     for i, spec in enumerate(model._rope_specs):
@@ -259,7 +389,7 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     return model.to(device).eval()
 
 
-def load_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_config(folder: Path) -> ModelConfig:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{folder}: no config.json")
@@ -267,7 +397,12 @@ def load_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         raw = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{config_file}: not valid JSON ({exc})") from exc
-    return config_from_hf(raw), read_safetensors_folder(folder)
+    return config_from_hf(raw)
+
+
+def load_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A folder's config and all its tensors, read into memory."""
+    return read_config(folder), {n: t.load() for n, t in read_safetensors_folder(folder).items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,46 +481,68 @@ def _unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, out // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _gguf_state(reader, raw: dict, progress) -> dict[str, torch.Tensor]:
+def _gguf_name(gguf_name: str, arch: str) -> str:
+    """llama.cpp's name of a tensor -> ours (HF's without the "model." prefix)."""
+    if gguf_name == "token_embd.weight":
+        return "embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "norm.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    if gguf_name.startswith("blk."):
+        _, layer, part, kind = gguf_name.split(".", 3)
+        if part == "ffn_norm":  # the MLP's input norm: Gemma 3 calls it pre_feedforward
+            target = "pre_feedforward_layernorm" if arch == "gemma3_text" else "post_attention_layernorm"
+        else:
+            target = _GGUF_BLOCK_NAMES.get(part)
+        if target is not None:
+            return f"layers.{layer}.{target}.{kind}"
+    raise ModelLoadError(f"unexpected GGUF tensor {gguf_name}")
+
+
+_GGUF_BLOCK_ROWS = 8192  # rows of a large GGUF tensor dequantised at a time (the 262k-row table)
+
+
+def _gguf_blocks(t, name: str, raw: dict):
+    """One GGUF tensor dequantised to float32 in our layout: whole, or, for a large matrix that needs
+    no reordering (the embedding table, the output head), in blocks of rows, so the conversion never
+    holds a float copy of the whole table (671 MB for Gemma 3 270M's) with its temporaries."""
     from gguf.quants import dequantize
 
     arch = raw["model_type"]
-    state = {}
-    tensors = list(reader.tensors)
-    for n, t in enumerate(tensors):
-        progress(n, len(tensors))
-        qtype = t.tensor_type.name
-        if qtype not in _SUPPORTED_QUANTS:
-            raise ModelLoadError(f"tensor {t.name}: unsupported quantisation type {qtype}")
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        array = dequantize(t.data, t.tensor_type).reshape(shape)
-        tensor = torch.from_numpy(array.astype("float32", copy=False).copy())
-        if t.name == "token_embd.weight":
-            name = "embed_tokens.weight"
-        elif t.name == "output_norm.weight":
-            name = "norm.weight"
-        elif t.name == "output.weight":
-            name = "lm_head.weight"
-        elif t.name.startswith("blk."):
-            _, layer, part, kind = t.name.split(".", 3)
-            if part == "ffn_norm":  # the MLP's input norm: Gemma 3 calls it pre_feedforward
-                target = "pre_feedforward_layernorm" if arch == "gemma3_text" else "post_attention_layernorm"
-            else:
-                target = _GGUF_BLOCK_NAMES.get(part)
-            if target is None:
-                raise ModelLoadError(f"unexpected GGUF tensor {t.name}")
-            name = f"layers.{layer}.{target}.{kind}"
-            if arch == "llama" and part in ("attn_q", "attn_k"):
-                heads = raw["num_attention_heads"] if part == "attn_q" else raw["num_key_value_heads"]
-                tensor = _unpermute_qk(tensor, heads)
-        else:
-            raise ModelLoadError(f"unexpected GGUF tensor {t.name}")
+    shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+    permuted = arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name)
+    step = _GGUF_BLOCK_ROWS if len(shape) == 2 and not permuted and t.data.shape[0] == shape[0] else shape[0]
+    for start in range(0, shape[0], step):
+        array = dequantize(t.data[start : start + step], t.tensor_type)
+        array = array.reshape(-1, *shape[1:]).astype("float32", copy=False)
+        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())  # F32 data is the mapped file
+        if permuted:
+            heads = raw["num_attention_heads"] if ".attn_q." in t.name else raw["num_key_value_heads"]
+            tensor = _unpermute_qk(tensor, heads)
         if arch == "gemma3_text" and name.endswith("norm.weight"):
             # llama.cpp folds Gemma's (1 + w) into the stored weight; our RMSNorm adds the 1.
             tensor = tensor - 1.0
-        state[name] = tensor
-    progress(len(tensors), len(tensors))
-    return state
+        yield tensor
+
+
+def _write_gguf_safetensors(reader, raw: dict, path: Path, progress) -> None:
+    """Dequantise every tensor of the GGUF into one float32 safetensors file, a block at a time."""
+    tensors = list(reader.tensors)
+    for t in tensors:
+        if t.tensor_type.name not in _SUPPORTED_QUANTS:
+            raise ModelLoadError(f"tensor {t.name}: unsupported quantisation type {t.tensor_type.name}")
+    names = [_gguf_name(t.name, raw["model_type"]) for t in tensors]
+    specs = [(f"model.{name}", torch.float32, tuple(int(x) for x in reversed(t.shape.tolist())))
+             for name, t in zip(names, tensors)]
+
+    def dequantised():
+        for n, (t, name) in enumerate(zip(tensors, names)):
+            progress(n, len(tensors))
+            yield from _gguf_blocks(t, name, raw)
+        progress(len(tensors), len(tensors))
+
+    write_safetensors(path, specs, dequantised())
 
 
 def _gguf_tokenizer(path: Path, out: Path) -> None:
@@ -422,14 +579,17 @@ def convert_gguf(path: Path, progress=None) -> Path:
     except Exception as exc:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
     raw = _gguf_config(reader)
-    progress = progress or (lambda done, total: None)
-    state = _gguf_state(reader, raw, progress)
-    from safetensors.torch import save_file
-
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file({f"model.{k}": v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+    _write_gguf_safetensors(reader, raw, tmp / "model.safetensors", progress or (lambda done, total: None))
     (tmp / "config.json").write_text(json.dumps(raw, indent=1))
+    # gguf's reader holds ~0.9 GB for Gemma 3's file (a Python object per vocabulary entry); the
+    # tokenizer below parses the file again its own way, so let the reader go first.
+    del reader
+    import gc
+
+    gc.collect()
+    release_freed_memory()
     _gguf_tokenizer(path, tmp)
     (tmp / "DONE").write_text("ok\n")
     if folder.exists():
@@ -454,8 +614,26 @@ def resolve(source: str | os.PathLike, progress=None) -> Path:
     return convert_gguf(path, progress)
 
 
-def load(source: str | os.PathLike, dtype: torch.dtype, device, progress=None) -> tuple[Transformer, Path]:
-    """Load `source` as a `Transformer`; also return the folder (for its tokenizer files)."""
+def release_freed_memory() -> None:
+    """Hand memory freed by a load back to the system. glibc keeps freed blocks for reuse, so the
+    temporaries of reading a tokenizer or quantising a model would otherwise stay in the process's
+    resident set for its whole life (measured with Gemma 3 270M: ~200 MB after its tokenizer)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def load(source: str | os.PathLike, dtype: torch.dtype, device, progress=None,
+         quantize: str = "none") -> tuple[Transformer, Path]:
+    """Load `source` as a `Transformer`; also return the folder (for its tokenizer files).
+
+    Tensors are read one at a time as the model takes them, so the peak memory is about the kept
+    weights: with `quantize="int8"` the float weights are read a block at a time and never held.
+    """
     folder = resolve(source, progress)
-    cfg, state = load_hf_folder(folder)
-    return build_model(cfg, state, dtype, device), folder
+    model = build_model(read_config(folder), read_safetensors_folder(folder), dtype, device, quantize)
+    release_freed_memory()
+    return model, folder

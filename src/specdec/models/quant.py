@@ -51,30 +51,66 @@ _linear_dynamic = torch.ops.quantized.linear_dynamic.default
 _REUSED_ROWS = 64  # input blocks of up to this many rows a plane reuse one buffer (`_input_block`)
 
 
-def quantize_rows(weight: Tensor, chunk: int = 8192) -> tuple[Tensor, Tensor]:
+_BLOCK_ELEMENTS = 1 << 22  # float32 elements quantised at a time: 16 MiB, 6553 rows of Gemma's head
+
+
+def quantize_rows(weight, scratch: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Symmetric per-row int8: weight ~= q * scale[:, None]. Returns (q int8 [N, K], scale float32 [N]).
 
-    Works through `chunk` rows at a time, so that quantising the 262k-row output head needs
-    megabytes of float temporaries rather than two more copies of the table.
+    Works through blocks of rows in one float32 scratch buffer (`scratch`, flat, or made here), with
+    in-place ops only, so quantising the 262k-row output head needs 16 MiB of temporaries and leaves
+    no freed blocks behind to swell the process (fresh temporaries per block did: measured up to
+    ~0.5 GB of extra peak while loading Gemma 3 270M). `weight` is a tensor, or a
+    `loader.StoredTensor`, whose rows are read from disk into the buffer: a load never holds the
+    float table. Each row's result depends on that row alone, so quantising parts and stacking
+    them equals quantising the stacked matrix (`Int8Linear.concat`).
     """
-    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
-    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
-    for start in range(0, weight.shape[0], chunk):
-        w = weight[start : start + chunk].float()
-        s = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        q[start : start + chunk] = torch.round(w / s[:, None]).clamp_(-127, 127)
-        scale[start : start + chunk] = s
+    n, k = weight.shape
+    q = torch.empty((n, k), dtype=torch.int8, device=weight.device)
+    scale = torch.empty(n, dtype=torch.float32, device=weight.device)
+    rows = max(1, min(n, _BLOCK_ELEMENTS // k))
+    if scratch is None or scratch.numel() < rows * k or scratch.device != weight.device:
+        scratch = torch.empty(rows * k, dtype=torch.float32, device=weight.device)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        w = scratch[: (stop - start) * k].view(stop - start, k)
+        if isinstance(weight, Tensor):
+            w.copy_(weight[start:stop])
+        else:
+            weight.read_into(start, w)
+        low, high = torch.aminmax(w, dim=1)
+        s = torch.maximum(high, low.neg_(), out=scale[start:stop])  # max |w| of each row
+        s.div_(127).clamp_(min=torch.finfo(torch.float32).tiny)
+        q[start:stop].copy_(w.div_(s[:, None]).round_().clamp_(-127, 127))
     return q, scale
 
 
 class Int8Linear(nn.Module):
     """y = x @ W.T (+ b) with int8 W per output channel and x on a per-row integer grid (module doc)."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None):  # weight: [N, K]
+    def __init__(self, weight, bias: Tensor | None = None):  # weight: [N, K] (see `quantize_rows`)
         super().__init__()
+        self._setup(*quantize_rows(weight), bias)
+
+    @classmethod
+    def from_int8(cls, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> "Int8Linear":
+        """The layer with int8 rows `q` [N, K] and their scales [N] as they are."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._setup(q, scale, bias)
+        return layer
+
+    @classmethod
+    def concat(cls, parts: list["Int8Linear"]) -> "Int8Linear":
+        """One layer whose output is the parts' outputs side by side (q/k/v or gate/up fused):
+        the same int8 rows and scales, so the same numbers as quantising the fused float matrix."""
+        bias = None if parts[0].bias is None else torch.cat([p.bias.data for p in parts])
+        return cls.from_int8(torch.cat([p.int8_weight() for p in parts]),
+                             torch.cat([p.weight_scale for p in parts]), bias)
+
+    def _setup(self, q: Tensor, scale: Tensor, bias: Tensor | None) -> None:
         if not cpu_int8_available():
             raise RuntimeError("int8 linears need PyTorch's fbgemm CPU backend")
-        q, scale = quantize_rows(weight)
         self.out_features, self.in_features = n, k = q.shape
         self.register_buffer("weight_scale", scale, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
@@ -222,22 +258,40 @@ def cpu_int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def quantize_model(model: nn.Module, mode: str) -> nn.Module:
-    """Replace every nn.Linear of `model` (and a tied embedding) by its int8 version, in place."""
+def quantize_model(model: nn.Module, mode: str, weights: dict | None = None) -> nn.Module:
+    """Replace every nn.Linear of `model` (and its embedding) by its int8 version, in place.
+
+    The float weights come from the model itself, or from `weights` (name -> tensor or
+    `loader.StoredTensor`) for a model built on the meta device: then each is read a block of rows
+    at a time and only its int8 form is kept. q/k/v and gate/up are fused after quantising.
+    """
     if mode == "none":
         return model
     if mode != "int8":
         raise ValueError(f"unknown quantisation {mode!r}")
-    tied = getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.embed_tokens.weight
-    model.fuse_projections()  # 4 int8 calls a layer instead of 7: each also quantises its input
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child.weight.data, None if child.bias is None else child.bias.data))
-    if tied:
-        head = model.lm_head
-        model.embed_tokens = Int8Embedding(head.int8_weight(), head.weight_scale)
+    tied = model.config.tie_embeddings
+    scratch = torch.empty(_BLOCK_ELEMENTS)  # one buffer for every layer's blocks (`quantize_rows`)
+
+    def source(module: nn.Module, prefix: str, kind: str):
+        """The float `kind` ("weight" or "bias") of module `prefix`: a tensor, or a StoredTensor."""
+        if weights is None:
+            tensor = getattr(module, kind)
+            return None if tensor is None else tensor.data
+        return weights.get(f"{prefix}.{kind}")
+
+    for prefix, child in list(model.named_modules()):
+        if isinstance(child, nn.Linear) and not (tied and prefix == "lm_head"):
+            bias = source(child, prefix, "bias")
+            if bias is not None and not isinstance(bias, Tensor):
+                bias = bias.load()
+            layer = Int8Linear.from_int8(*quantize_rows(source(child, prefix, "weight"), scratch), bias)
+            parent, _, name = prefix.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, name, layer)
+    embed = source(model.embed_tokens, "embed_tokens", "weight")
+    if tied:  # the head's int8 rows are the embedding table's
+        model.lm_head = Int8Linear.from_int8(*quantize_rows(embed, scratch))
+        model.embed_tokens = Int8Embedding(model.lm_head.int8_weight(), model.lm_head.weight_scale)
     else:
-        q, scale = quantize_rows(model.embed_tokens.weight.data)
-        model.embed_tokens = Int8Embedding(q, scale)
+        model.embed_tokens = Int8Embedding(*quantize_rows(embed, scratch))
+    model.fuse_projections()  # 4 int8 calls a layer instead of 7: each also quantises its input
     return model

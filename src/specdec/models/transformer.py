@@ -40,7 +40,10 @@ class RopeSpec:
     scaling: tuple[tuple[str, float], ...] = ()  # HF rope_scaling dict as sorted items, () = none
 
     def inv_freq(self, head_dim: int) -> Tensor:  # [head_dim // 2], float64
-        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        """Computed on the CPU whatever the default device: on the meta device (a model skeleton)
+        this arithmetic would run PyTorch's Python decompositions, whose first use imports ~800
+        modules (~75 MB resident for the life of the process)."""
+        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
         cfg = dict(self.scaling)
         kind = cfg.get("rope_type", cfg.get("type", "default"))
         if kind == "linear":
@@ -278,8 +281,12 @@ class MLP(nn.Module):
         return self.down_proj(gate * up)
 
 
-def _fused_linear(*parts: nn.Linear) -> nn.Linear:
-    """One nn.Linear whose output is the parts' outputs side by side."""
+def _fused_linear(*parts: nn.Module) -> nn.Module:
+    """One linear layer whose output is the parts' outputs side by side (nn.Linear, or a layer
+    type with its own `concat`, such as `quant.Int8Linear`)."""
+    concat = getattr(type(parts[0]), "concat", None)
+    if concat is not None:
+        return concat(list(parts))
     weight = torch.cat([p.weight.data for p in parts])
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None,
                       device=weight.device, dtype=weight.dtype)
@@ -339,7 +346,8 @@ class Transformer(nn.Module):
         self._rope_specs = sorted(set(cfg.layer_rope), key=repr)
         self._rope_of_layer = [self._rope_specs.index(r) for r in cfg.layer_rope]
         for i, spec in enumerate(self._rope_specs):
-            self.register_buffer(f"inv_freq_{i}", spec.inv_freq(cfg.head_dim).float(), persistent=False)
+            inv_freq = spec.inv_freq(cfg.head_dim).float().to(torch.get_default_device())
+            self.register_buffer(f"inv_freq_{i}", inv_freq, persistent=False)
 
     def fuse_projections(self) -> "Transformer":
         """Fuse q/k/v and gate/up into single projections (fewer, larger matrix products).
