@@ -39,39 +39,18 @@ inline torch::Tensor empty_with_last(const torch::Tensor& x, int64_t n) {
 }
 
 // One row's two planes (see models/quant.py): high = round(x / s), low = round((x / s - high) * 126),
-// s = max|x| / 63 (at least FLT_MIN so a zero row stays zero). T: float (the planes fed to fbgemm)
-// or int16_t (`int8_columns`); both hold the same integers. Returns s.
-template <typename T>
-inline float row_planes(const float* row, int64_t k, T* high, T* low) {
+// s = max|x| / 63 (at least FLT_MIN so a zero row stays zero). Returns s.
+inline float row_planes(const float* row, int64_t k, int16_t* high, int16_t* low) {
   float peak = 0.0f;
   for (int64_t i = 0; i < k; ++i) peak = std::max(peak, std::fabs(row[i]));
   const float s = std::max(peak / kLevels, FLT_MIN);
   for (int64_t i = 0; i < k; ++i) {
     const float v = row[i] / s;
     const float hv = std::nearbyint(v);  // round half to even, as torch.round
-    high[i] = static_cast<T>(hv);
-    low[i] = static_cast<T>(std::nearbyint((v - hv) * (2 * kLevels)));
+    high[i] = static_cast<int16_t>(hv);
+    low[i] = static_cast<int16_t>(std::nearbyint((v - hv) * (2 * kLevels)));
   }
   return s;
-}
-
-// Int8Linear's two input planes. x: [..., K] float32 (n rows). block: [1 + 2n', K] float32 with
-// n' >= n; row 0 (the guard) is left alone, rows 1..n get the high plane and rows n+1..2n the low
-// plane of `row_planes`. Returns s: [n, 1].
-torch::Tensor int8_planes(torch::Tensor x, torch::Tensor block) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat, "int8_planes: x must be float32");
-  const int64_t k = x.size(-1), n = x.numel() / k;  // x: [..., K], read as [n, K]
-  x = x.contiguous();
-  TORCH_CHECK(block.scalar_type() == torch::kFloat && block.is_contiguous() && block.size(1) == k &&
-                  block.size(0) >= 1 + 2 * n,
-              "int8_planes: block must be [1 + 2n, K] float32");
-  auto scale = torch::empty({n, 1}, x.options());
-  const float* xs = x.data_ptr<float>();
-  float* high = block.data_ptr<float>() + k;
-  float* low = high + n * k;
-  float* ss = scale.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r) ss[r] = row_planes(xs + r * k, k, high + r * k, low + r * k);
-  return scale;
 }
 
 // -- Int8Linear's own matrix product ------------------------------------------------------------
@@ -79,7 +58,7 @@ torch::Tensor int8_planes(torch::Tensor x, torch::Tensor block) {
 // The two planes as one int16 per input, v = 126 high + low (|v| <= 8001): one multiply-add per
 // weight instead of fbgemm's two planes of 7-bit inputs. Per input row r and output column c the
 // exact integer S = sum_i w_ci v_ri gives out = float(S) * (s_r / 126) * ws_c, which is also what
-// fbgemm's two exact plane sums give through `int8_combine`, bit for bit: a layer may use either.
+// fbgemm's two exact plane sums give in `Int8Linear.forward_rows`, bit for bit.
 // int32 lanes stay exact over blocks of 2048 inputs (2048 * 8001 * 127 < 2^31); blocks add in double.
 
 constexpr int64_t kBlockK = 2048;
@@ -94,40 +73,6 @@ inline float int8_output(double sum, float c, float w_scale, const float* bias) 
   float o = static_cast<float>(sum) * c * w_scale;
   if (bias != nullptr) o += *bias;
   return o;
-}
-
-// Int8Linear's output from fbgemm's integer sums (its weights packed with unit scales, so each sum
-// comes back as an exact float). sums: [1 + 2n', N] (row 0 is the guard's), scale: [n, 1] from
-// int8_planes, ws: [N] the weight scales; the output is shaped as the input x [..., K] with N for K.
-// out_r = float(126 high_r + low_r) * (s_r / 126) * ws (+ bias): `int8_output`, the one formula.
-torch::Tensor int8_combine(torch::Tensor sums, torch::Tensor scale, torch::Tensor ws,
-                           c10::optional<torch::Tensor> bias, torch::Tensor x) {
-  TORCH_CHECK(sums.dim() == 2 && sums.scalar_type() == torch::kFloat, "int8_combine: sums must be 2-D float32");
-  sums = sums.contiguous();
-  ws = ws.contiguous();
-  const int64_t n = scale.size(0), cols = sums.size(1);
-  TORCH_CHECK(sums.size(0) >= 1 + 2 * n, "int8_combine: sums has too few rows");
-  TORCH_CHECK(x.numel() / x.size(-1) == n, "int8_combine: x and scale differ in rows");
-  TORCH_CHECK(ws.scalar_type() == torch::kFloat && ws.numel() >= cols, "int8_combine: ws must be float32 [>= N]");
-  auto out = empty_with_last(x, cols);
-  const float* hs = sums.data_ptr<float>() + cols;
-  const float* ls = hs + n * cols;
-  scale = scale.contiguous();
-  const float* ss = scale.data_ptr<float>();
-  const float* wss = ws.data_ptr<float>();
-  torch::Tensor b;
-  const float* bs = optional_data(bias, b);
-  float* os = out.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r) {
-    const float c = ss[r] / (2 * kLevels);
-    const float* h = hs + r * cols;
-    const float* l = ls + r * cols;
-    float* o = os + r * cols;
-    for (int64_t j = 0; j < cols; ++j)
-      o[j] = int8_output(static_cast<double>(h[j]) * (2 * kLevels) + static_cast<double>(l[j]), c, wss[j],
-                         bs ? bs + j : nullptr);
-  }
-  return out;
 }
 
 // One row of x on the int16 grid: v[0..k) as above, v[k..kp) = 0 (padding). Returns c = s / 126.
@@ -709,8 +654,6 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor cache_k, torch::Tensor ca
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_planes", &int8_planes, "Int8Linear's per-row input planes");
-  m.def("int8_combine", &int8_combine, "Int8Linear's output from its integer sums");
   m.def("int8_linear", &int8_linear, "Int8Linear's matrix product on the int16 input grid");
   m.def("int8_columns", &int8_columns, "chosen output columns of an Int8Linear, bit-identical to its full output");
   m.def("rms_norm", &rms_norm, "RMSNorm with per-row-period weights");

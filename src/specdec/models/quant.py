@@ -195,14 +195,6 @@ class Int8Linear(nn.Module):
         out = total.float().mul_(row_scale / (2 * _LEVELS)).mul_(self.weight_scale)  # [n, N]
         return out if self.bias is None else out.add_(self.bias)
 
-    def forward_fbgemm(self, x: Tensor, kernels) -> Tensor:  # x: [..., in] float32 -> [..., out]
-        """`forward_rows` with the planes and the rescaling done by the compiled kernels: three
-        calls instead of ~15 PyTorch ops, the same integers into the same fbgemm kernel."""
-        block = self._input_block(x.numel() // self.in_features)
-        row_scale = kernels.int8_planes(x, block)  # [n, 1]
-        sums = _linear_dynamic(block, self._fbgemm(), True)
-        return kernels.int8_combine(sums, row_scale, self.weight_scale, self.bias, x)
-
     def forward_columns(self, x: Tensor, ids: Tensor) -> Tensor | None:
         """`forward(x)[..., ids]`, bit-identical, computed from those weight rows only; None where
         the compiled kernels are unavailable (the only way then is the full product).
