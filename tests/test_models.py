@@ -80,3 +80,18 @@ def test_default_model_matches_transformers(default_engine_fp32):
                                  min_new_tokens=64)[0, len(prompt_ids):].tolist()
         ours = default_engine_fp32.generate(prompt_ids=prompt_ids, max_new_tokens=64)
         assert ours.token_ids == hf_out[: len(ours.token_ids)] and len(ours.token_ids) == 64
+
+
+def test_default_tokenizer_is_transformers_own_without_its_leftovers(default_engine_fp32):
+    """The tokenizer drops transformers' Python copies of the vocabulary and merges (~145 MB for
+    Gemma) and still encodes and decodes exactly as a freshly loaded transformers tokenizer."""
+    from transformers import AutoTokenizer
+
+    ours = default_engine_fp32.tokenizer
+    fresh = AutoTokenizer.from_pretrained(str(loader.resolve("default")))
+    assert getattr(ours._tok, "_merges", None) is None and getattr(ours._tok, "_vocab", None) is None
+    for text in ["Question: What is a hash table?\nAnswer:", "  Übersetze: 東京は大きい 😀\n\n\tdef f(x):",
+                 "<start_of_turn>user\nhi<end_of_turn>"]:
+        ids = ours.encode(text)
+        assert ids == fresh(text).input_ids
+        assert ours.decode(ids) == fresh.decode(ids, skip_special_tokens=True)

@@ -21,7 +21,14 @@ class Tokenizer:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-        return cls(AutoTokenizer.from_pretrained(str(folder)))
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        # transformers 5 keeps the vocabulary and merge list it built the Rust tokenizer from as
+        # Python objects, which nothing reads afterwards: the Rust tokenizer has its own copy and
+        # does all encoding and decoding. For Gemma's 262k tokens they hold ~145 MB; let them go.
+        for leftover in ("_vocab", "_merges"):
+            if isinstance(getattr(tok, leftover, None), (dict, list)):
+                setattr(tok, leftover, None)
+        return cls(tok)
 
     def encode(self, text: str) -> list[int]:
         if not text:
