@@ -289,10 +289,13 @@ def read_safetensors_folder(folder: Path) -> dict[str, StoredTensor]:
             short = _strip_prefix(name)
             if short is None:
                 continue
-            dtype = _ST_DTYPES.get(entry.get("dtype"))
+            try:
+                dtype, shape, begin = _ST_DTYPES.get(entry["dtype"]), tuple(entry["shape"]), entry["data_offsets"][0]
+            except (KeyError, TypeError, IndexError) as exc:
+                raise ModelLoadError(f"{file}: tensor {name} has a malformed header entry ({exc!r})") from exc
             if dtype is None:
-                raise ModelLoadError(f"{file}: tensor {name} has unsupported dtype {entry.get('dtype')!r}")
-            state[short] = StoredTensor(file, dtype, tuple(entry["shape"]), data_start + entry["data_offsets"][0])
+                raise ModelLoadError(f"{file}: tensor {name} has unsupported dtype {entry['dtype']!r}")
+            state[short] = StoredTensor(file, dtype, shape, data_start + begin)
     return state
 
 
@@ -322,7 +325,7 @@ def write_safetensors(path: Path, specs: list[tuple[str, torch.dtype, tuple[int,
                     got = "nothing" if block is None else f"{block.dtype} {tuple(block.shape)}"
                     raise ValueError(f"tensor {name} ({dtype} {shape}): got {got}")
                 data = block.contiguous().reshape(-1).view(torch.uint8).numpy()
-                f.write(data.tobytes())
+                f.write(memoryview(data))
                 written += data.nbytes
             if written != size:
                 raise ValueError(f"tensor {name}: {written} bytes written, {size} announced")
