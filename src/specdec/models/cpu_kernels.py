@@ -1,4 +1,4 @@
-"""specdec's compiled CPU kernels (`cpu_kernels.cpp`), built once per machine at first use.
+"""specdec's compiled CPU kernels (`cpu_kernels.cpp`), built once per machine (and checkout) at first use.
 
 A decoding step on a small model is mostly dispatch: Gemma 3 270M's int8 step ran ~900 PyTorch ops,
 and on this project's 2-core CPU the int8 input preparation and the RMSNorms alone cost ~14 ms of a
@@ -39,7 +39,9 @@ def enabled() -> bool:
 def build_dir() -> Path:
     from .loader import cache_root
 
-    text = SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode()
+    # The source's path too: the build files name it, so two checkouts sharing one folder would
+    # each see the other's build as stale and recompile (~40 s) at every switch between them.
+    text = SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode() + str(SOURCE.resolve()).encode()
     return cache_root() / "kernels" / hashlib.sha256(text).hexdigest()[:16]
 
 
@@ -60,7 +62,7 @@ def load():
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     fresh = not any(folder.glob("*.so"))
     if fresh:
-        print("specdec: compiling the CPU kernels (once per machine, ~30 s)", file=sys.stderr, flush=True)
+        print("specdec: compiling the CPU kernels (once per machine and checkout, ~30 s)", file=sys.stderr, flush=True)
     try:
         return cpp_extension.load(
             name="specdec_cpu_kernels",
