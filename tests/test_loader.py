@@ -62,7 +62,8 @@ def test_int8_load_from_disk_is_the_in_memory_quantisation(tmp_path, family):
         other = reference.get_submodule(name)
         assert torch.equal(layer.int8_weight(), other.int8_weight()), name
         assert torch.equal(layer.weight_scale, other.weight_scale), name
-        assert (layer.bias is None) == (other.bias is None) and (layer.bias is None or torch.equal(layer.bias, other.bias))
+        assert (layer.bias is None) == (other.bias is None)
+        assert layer.bias is None or torch.equal(layer.bias, other.bias)
     assert not any(p.is_meta for p in direct.parameters()) and not any(b.is_meta for b in direct.buffers())
     if direct.config.tie_embeddings:  # the table reads the head's int8 rows: one copy
         assert direct.embed_tokens.q.data_ptr() == direct.lm_head.int8_weight().data_ptr()
