@@ -122,7 +122,7 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.block = Block(block_cfg)
         self.head_dim = block_cfg.head_dim
-        self.register_buffer("inv_freq", block_cfg.layer_rope[0].inv_freq(block_cfg.head_dim).float().to(torch.get_default_device()),
+        self.register_buffer("inv_freq", block_cfg.layer_rope[0].inv_freq(block_cfg.head_dim).float(),
                              persistent=False)
 
     def forward(

@@ -380,10 +380,11 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device, quant
     if quantize != "none":
         quantize_model(model, quantize, weights=state)  # replaces the linears and the embedding
         expected = {name for name, param in model.named_parameters() if param.is_meta}
-    for name in sorted(expected):
-        tensor = state[name]
-        tensor = tensor.load() if isinstance(tensor, StoredTensor) else tensor
-        model.load_state_dict({name: tensor.to(dtype)}, strict=False, assign=True)
+    # Every tensor read is kept by the model, so reading them all before one assignment holds no
+    # more than reading them one by one.
+    read = {name: (state[name].load() if isinstance(state[name], StoredTensor) else state[name]).to(dtype)
+            for name in sorted(expected)}
+    model.load_state_dict(read, strict=False, assign=True)
     if cfg.tie_embeddings and quantize == "none":
         model.lm_head.weight = model.embed_tokens.weight
     # Non-persistent buffers (rope tables) were made on meta: rebuild them for real.
@@ -506,14 +507,13 @@ def _gguf_name(gguf_name: str, arch: str) -> str:
 _GGUF_BLOCK_ROWS = 8192  # rows of a large GGUF tensor dequantised at a time (the 262k-row table)
 
 
-def _gguf_blocks(t, name: str, raw: dict):
+def _gguf_blocks(t, name: str, shape: tuple[int, ...], raw: dict):
     """One GGUF tensor dequantised to float32 in our layout: whole, or, for a large matrix that needs
     no reordering (the embedding table, the output head), in blocks of rows, so the conversion never
     holds a float copy of the whole table (671 MB for Gemma 3 270M's) with its temporaries."""
     from gguf.quants import dequantize
 
     arch = raw["model_type"]
-    shape = tuple(int(x) for x in reversed(t.shape.tolist()))
     permuted = arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name)
     step = _GGUF_BLOCK_ROWS if len(shape) == 2 and not permuted and t.data.shape[0] == shape[0] else shape[0]
     for start in range(0, shape[0], step):
@@ -540,9 +540,9 @@ def _write_gguf_safetensors(reader, raw: dict, path: Path, progress) -> None:
              for name, t in zip(names, tensors)]
 
     def dequantised():
-        for n, (t, name) in enumerate(zip(tensors, names)):
+        for n, (t, name, (_, _, shape)) in enumerate(zip(tensors, names, specs)):
             progress(n, len(tensors))
-            yield from _gguf_blocks(t, name, raw)
+            yield from _gguf_blocks(t, name, shape, raw)
         progress(len(tensors), len(tensors))
 
     write_safetensors(path, specs, dequantised())

@@ -39,10 +39,10 @@ class RopeSpec:
     theta: float
     scaling: tuple[tuple[str, float], ...] = ()  # HF rope_scaling dict as sorted items, () = none
 
-    def inv_freq(self, head_dim: int) -> Tensor:  # [head_dim // 2], float64
-        """Computed on the CPU whatever the default device: on the meta device (a model skeleton)
-        this arithmetic would run PyTorch's Python decompositions, whose first use imports ~800
-        modules (~75 MB resident for the life of the process)."""
+    def inv_freq(self, head_dim: int) -> Tensor:  # [head_dim // 2], float64, on the default device
+        """Computed on the CPU and then moved to the default device: on the meta device (a model
+        skeleton) this arithmetic would run PyTorch's Python decompositions, whose first use
+        imports ~800 modules (~75 MB resident for the life of the process)."""
         inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
         cfg = dict(self.scaling)
         kind = cfg.get("rope_type", cfg.get("type", "default"))
@@ -63,7 +63,7 @@ class RopeSpec:
             inv = torch.where(middle, blended, inv)
         elif kind != "default":
             raise ValueError(f"unsupported rope scaling type {kind!r}")
-        return inv
+        return inv.to(torch.get_default_device())
 
 
 @dataclass(frozen=True)
@@ -346,8 +346,7 @@ class Transformer(nn.Module):
         self._rope_specs = sorted(set(cfg.layer_rope), key=repr)
         self._rope_of_layer = [self._rope_specs.index(r) for r in cfg.layer_rope]
         for i, spec in enumerate(self._rope_specs):
-            inv_freq = spec.inv_freq(cfg.head_dim).float().to(torch.get_default_device())
-            self.register_buffer(f"inv_freq_{i}", inv_freq, persistent=False)
+            self.register_buffer(f"inv_freq_{i}", spec.inv_freq(cfg.head_dim).float(), persistent=False)
 
     def fuse_projections(self) -> "Transformer":
         """Fuse q/k/v and gate/up into single projections (fewer, larger matrix products).
