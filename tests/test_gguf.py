@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.models import loader
+from specdec.models import gguf_file, loader
 
 HF_TO_GGUF = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -93,3 +93,75 @@ def test_tiny_gguf_matches_safetensors(tmp_path, monkeypatch, q8):
     blocked = loader.resolve(tmp_path / "tiny.gguf")
     whole = tmp_path / "cache" / "gguf" / blocked.name
     assert (blocked / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+
+
+def test_own_reader_matches_gguf_reader(tmp_path):
+    """`read_gguf` gives the scalars, numeric arrays and tensor data gguf's GGUFReader gives, steps
+    over string arrays, and honours a non-default alignment."""
+    import gguf
+
+    path = tmp_path / "all.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("t.u32", 7)
+    w.add_int64("t.i64", -5)
+    w.add_float32("t.f32", 0.1)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "Grüße")
+    w.add_array("t.ints", [1, 2, 3])
+    w.add_array("t.floats", [0.5, -1.25])
+    w.add_array("t.strs", ["a", "bc", "", "dé"])
+    w.add_custom_alignment(64)
+    rng = np.random.default_rng(0)
+    plain = rng.standard_normal((3, 5)).astype(np.float32)
+    half = rng.standard_normal((2, 8)).astype(np.float16)
+    q = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("plain", plain)
+    w.add_tensor("half", half)
+    w.add_tensor("q8", q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    ours, theirs = gguf_file.read_gguf(path), gguf.GGUFReader(str(path))
+    metadata = {k: f for k, f in theirs.fields.items() if not k.startswith("GGUF.")}  # its header as fields
+    assert set(ours.fields) == set(metadata)
+    for key, field in metadata.items():
+        mine = ours.fields[key]
+        if key == "t.strs":
+            assert mine == gguf_file.SkippedStrings(4)
+        elif isinstance(mine, np.ndarray):
+            assert mine.tolist() == list(field.contents())
+        else:
+            assert mine == field.contents(), key
+    assert ours.fields["general.alignment"] == 64
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors] == ["plain", "half", "q8"]
+    for mine, t in zip(ours.tensors, theirs.tensors):
+        assert mine.tensor_type == t.tensor_type and mine.shape == tuple(t.shape.tolist())
+        assert mine.data.dtype == t.data.dtype and np.array_equal(mine.data, t.data)
+    assert np.array_equal(ours.tensors[0].data, plain) and np.array_equal(ours.tensors[1].data, half)
+
+
+def test_own_reader_errors(tmp_path):
+    from specdec.errors import ModelLoadError
+
+    cases = {"empty.gguf": b"", "text.gguf": b"not a gguf at all",
+             "v1.gguf": b"GGUF" + (1).to_bytes(4, "little") + bytes(16),
+             "short.gguf": b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (5).to_bytes(8, "little")}
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ModelLoadError, match="GGUF"):
+            gguf_file.read_gguf(tmp_path / name)
+    # A tensor whose data the file does not hold (cut short after writing).
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), "llama")
+    w.add_tensor("t", np.ones((64, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = (tmp_path / "cut.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:-100])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        gguf_file.read_gguf(tmp_path / "cut.gguf")

@@ -95,3 +95,15 @@ def test_default_tokenizer_is_transformers_own_without_its_leftovers(default_eng
         ids = ours.encode(text)
         assert ids == fresh(text).input_ids
         assert ours.decode(ids) == fresh.decode(ids, skip_special_tokens=True)
+
+
+def test_default_gguf_tokenizer_is_transformers_config_route(tmp_path):
+    """The conversion names the tokenizer type, which spares transformers a second reading of the
+    file for its config; the tokenizer saved is the one its config route builds, byte for byte."""
+    from transformers import AutoTokenizer
+
+    path = loader.default_model_path()
+    loader._gguf_tokenizer(path, tmp_path / "named", "gemma3_text")
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp_path / "config"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "named" / name).read_bytes() == (tmp_path / "config" / name).read_bytes()
