@@ -43,14 +43,14 @@ class GgufTensor:
 @dataclass(frozen=True)
 class GgufFile:
     """`fields`: metadata key -> value (a Python scalar or str; an array of numbers as a mapped
-    NumPy array; an array of strings only as its length, `SkippedStrings`)."""
+    NumPy array; an array of strings or of arrays only as its length, `Skipped`)."""
 
     fields: dict[str, object]
     tensors: list[GgufTensor]
 
 
 @dataclass(frozen=True)
-class SkippedStrings:
+class Skipped:
     count: int
 
 
@@ -82,7 +82,11 @@ class _Cursor:
         if element == _STRING:  # step over them: a vocabulary is hundreds of thousands
             for _ in range(count):
                 self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
-            return SkippedStrings(count)
+            return Skipped(count)
+        if element == _ARRAY:  # arrays of arrays: nothing the conversion reads
+            for _ in range(count):
+                self.value(_ARRAY, mapped)
+            return Skipped(count)
         if element not in _SCALARS:
             raise struct.error(f"unsupported array element type {element}")
         dtype = np.dtype(_SCALARS[element])
