@@ -107,3 +107,27 @@ def test_default_gguf_tokenizer_is_transformers_config_route(tmp_path):
     AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp_path / "config"))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "named" / name).read_bytes() == (tmp_path / "config" / name).read_bytes()
+
+
+def test_blocked_attention_equals_one_sdpa_call():
+    """A long block's attention, a block of query rows at a time over only the slots they can see,
+    equals one SDPA call over all slots to rounding: causal, sliding-window and batched masks (one
+    sequence's rows padded on the left, so they see nothing before their start)."""
+    import torch.nn.functional as F
+
+    from specdec.models.transformer import ATTENTION_QUERY_BLOCK, blocked_attention
+
+    g = torch.Generator().manual_seed(0)
+    t = 2 * ATTENTION_QUERY_BLOCK + 45
+    q = torch.randn(2, 4, t, 16, generator=g)
+    k, v = torch.randn(2, 2, t, 16, generator=g), torch.randn(2, 2, t, 16, generator=g)
+    i = torch.arange(t)
+    causal = i[None, :] <= i[:, None]
+    window = causal & (i[None, :] > i[:, None] - 100)
+    late_start = causal & (i[None, :] >= 150)  # sequence 2 starts at slot 150
+    late_start[:150] = (i[None, :] == i[:, None])[:150]  # its padding rows see themselves only
+    for first, second in ((causal, causal), (window, window), (window, causal), (causal, window)):
+        visible = torch.stack([first, second & late_start])[:, None]  # the union of what they see counts
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.25, enable_gqa=True)
+        out = blocked_attention(q, k, v, visible, 0.25, True)
+        assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
