@@ -7,8 +7,12 @@
 // needs: a verify pass over k + 1 tokens must compute what k + 1 one-token passes compute).
 // Compiled at first use by `cpu_kernels.py`; the Python paths they replace stay as the reference.
 
-#include <torch/extension.h>
+// ATen and the pybind11 Tensor type caster only: torch/extension.h adds all of libtorch's C++ API
+// (autograd, nn, optim), whose headers alone took ~28 s of a ~34 s build and 1.5 GB of compiler
+// memory here; with these the build takes ~19 s and ~1 GB.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -25,17 +29,17 @@ namespace {
 constexpr float kLevels = 63.0f;  // the activation grid of Int8Linear: integers in [-63, 63]
 
 // The float32 data of an optional tensor (a bias), or nullptr; `keep` holds the contiguous tensor read.
-inline const float* optional_data(const c10::optional<torch::Tensor>& t, torch::Tensor& keep) {
+inline const float* optional_data(const c10::optional<at::Tensor>& t, at::Tensor& keep) {
   if (!t.has_value()) return nullptr;
   keep = t->contiguous();
   return keep.data_ptr<float>();
 }
 
 // An empty float32 tensor shaped as x with its last dimension n (a linear layer's output).
-inline torch::Tensor empty_with_last(const torch::Tensor& x, int64_t n) {
+inline at::Tensor empty_with_last(const at::Tensor& x, int64_t n) {
   auto shape = x.sizes().vec();
   shape.back() = n;
-  return torch::empty(shape, x.options().dtype(torch::kFloat));
+  return at::empty(shape, x.options().dtype(at::kFloat));
 }
 
 // One row's two planes (see models/quant.py): high = round(x / s), low = round((x / s - high) * 126),
@@ -85,7 +89,7 @@ inline float row_int16(const float* row, int64_t k, int64_t kp, int16_t* v) {
 }
 
 // x [..., k] float32 -> rows [n, kp] int16 and their c [n].
-inline void input_int16(const torch::Tensor& x, int64_t kp, std::vector<int16_t>& v, std::vector<float>& c) {
+inline void input_int16(const at::Tensor& x, int64_t kp, std::vector<int16_t>& v, std::vector<float>& c) {
   const int64_t k = x.size(-1), n = x.numel() / k;
   v.resize(n * kp);
   c.resize(n);
@@ -179,17 +183,17 @@ __attribute__((always_inline)) inline void tile(const Wide* w, const int16_t* v,
 // y = Int8Linear(x): x [..., K] float32; q [N4, KP] int8 (N and K zero-padded to multiples of 4 and
 // 16); ws [N4] float32; bias [N] or none; n_out = N. Returns [..., N]. Every output is the formula
 // above, so a row's result never depends on the other rows in the call.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor ws, c10::optional<torch::Tensor> bias,
+at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor ws, c10::optional<at::Tensor> bias,
                           int64_t n_out) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat, "int8_linear: x must be float32");
-  TORCH_CHECK(q.scalar_type() == torch::kChar && q.dim() == 2 && q.is_contiguous(), "int8_linear: q must be contiguous int8");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "int8_linear: x must be float32");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), "int8_linear: q must be contiguous int8");
   const int64_t kp = q.size(1), n4 = q.size(0);
   TORCH_CHECK(kp % 16 == 0 && n4 % 4 == 0 && n_out <= n4 && n_out > n4 - 4, "int8_linear: q must be padded to [ceil4(N), ceil16(K)]");
-  TORCH_CHECK(ws.scalar_type() == torch::kFloat && ws.is_contiguous() && ws.numel() == n4, "int8_linear: ws must be [ceil4(N)] float32");
+  TORCH_CHECK(ws.scalar_type() == at::kFloat && ws.is_contiguous() && ws.numel() == n4, "int8_linear: ws must be [ceil4(N)] float32");
   x = x.contiguous();
   const int64_t k = x.size(-1), n = x.numel() / k;
   TORCH_CHECK(k <= kp && k > kp - 16, "int8_linear: x and q differ in input size");
-  torch::Tensor b;
+  at::Tensor b;
   const float* bs = optional_data(bias, b);
   auto out = empty_with_last(x, n_out);
   if (n == 0) return out;
@@ -251,13 +255,13 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor ws, c1
 // float32; q, ws, bias, n_out as for int8_linear; ids: [m] int64 columns < N. Returns [..., m].
 // (Greedy verification screens a block's rows with it before paying for the 262k-row output head:
 // see Transformer.head_columns.)
-torch::Tensor int8_columns(torch::Tensor x, torch::Tensor q, torch::Tensor ws, torch::Tensor ids,
-                           c10::optional<torch::Tensor> bias, int64_t n_out) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat, "int8_columns: x must be float32");
-  TORCH_CHECK(q.scalar_type() == torch::kChar && q.dim() == 2 && q.is_contiguous() && q.size(1) % 16 == 0,
+at::Tensor int8_columns(at::Tensor x, at::Tensor q, at::Tensor ws, at::Tensor ids,
+                           c10::optional<at::Tensor> bias, int64_t n_out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "int8_columns: x must be float32");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && q.size(1) % 16 == 0,
               "int8_columns: q must be contiguous padded int8");
-  TORCH_CHECK(ws.scalar_type() == torch::kFloat && ws.is_contiguous() && ws.numel() == q.size(0), "int8_columns: ws must be [N4] float32");
-  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, "int8_columns: ids must be 1-D int64");
+  TORCH_CHECK(ws.scalar_type() == at::kFloat && ws.is_contiguous() && ws.numel() == q.size(0), "int8_columns: ws must be [N4] float32");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "int8_columns: ids must be 1-D int64");
   x = x.contiguous();
   ids = ids.contiguous();
   const int64_t k = x.size(-1), kp = q.size(1), n = x.numel() / k, m = ids.numel();
@@ -265,7 +269,7 @@ torch::Tensor int8_columns(torch::Tensor x, torch::Tensor q, torch::Tensor ws, t
   const int64_t* is = ids.data_ptr<int64_t>();
   TORCH_CHECK(n_out <= q.size(0), "int8_columns: n_out exceeds q's rows");
   for (int64_t j = 0; j < m; ++j) TORCH_CHECK(is[j] >= 0 && is[j] < n_out, "int8_columns: id out of range");
-  torch::Tensor b;
+  at::Tensor b;
   const float* bs = optional_data(bias, b);
   auto out = empty_with_last(x, m);
   std::vector<int16_t> v;
@@ -315,14 +319,14 @@ inline void rms_norm_row(const float* x, const float* w, float* out, int64_t d, 
 // RMSNorm over the last dimension: x_r / sqrt(mean(x_r^2) + eps) * w[r mod R], with w: [d] or
 // [R, d] (R = heads + kv_heads for Gemma's per-head q/k norms over stacked heads).
 // Returns a new contiguous float32 tensor shaped as x.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "rms_norm: float32 only");
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rms_norm: float32 only");
   x = x.contiguous();
   w = w.contiguous();
   const int64_t d = x.size(-1);
   TORCH_CHECK((w.dim() == 1 || w.dim() == 2) && w.size(-1) == d, "rms_norm: w must be [d] or [R, d]");
   const int64_t rows = x.numel() / d, period = w.dim() == 1 ? 1 : w.size(0);
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const float* xs = x.data_ptr<float>();
   const float* ws = w.data_ptr<float>();
   float* os = out.data_ptr<float>();
@@ -332,18 +336,18 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 
 // The residual step of a decoder block: x + norm_y(y) (or x + y without w_y), and, with w_out,
 // the RMSNorm of that sum (the next sublayer's input). x, y: [..., d]. Returns [sum] or [sum, normed].
-std::vector<torch::Tensor> residual_norm(torch::Tensor x, torch::Tensor y, c10::optional<torch::Tensor> w_y,
-                                         c10::optional<torch::Tensor> w_out, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && y.scalar_type() == torch::kFloat, "residual_norm: float32 only");
+std::vector<at::Tensor> residual_norm(at::Tensor x, at::Tensor y, c10::optional<at::Tensor> w_y,
+                                         c10::optional<at::Tensor> w_out, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat, "residual_norm: float32 only");
   x = x.contiguous();
   y = y.contiguous();
   const int64_t d = x.size(-1), rows = x.numel() / d;
   TORCH_CHECK(y.numel() == x.numel(), "residual_norm: x and y differ in size");
-  torch::Tensor wy, wo;
+  at::Tensor wy, wo;
   if (w_y.has_value()) wy = w_y->contiguous();
   if (w_out.has_value()) wo = w_out->contiguous();
-  auto sum = torch::empty_like(x);
-  torch::Tensor normed = w_out.has_value() ? torch::empty_like(x) : torch::Tensor();
+  auto sum = at::empty_like(x);
+  at::Tensor normed = w_out.has_value() ? at::empty_like(x) : at::Tensor();
   std::vector<float> scratch(d);
   const float* xs = x.data_ptr<float>();
   const float* ys = y.data_ptr<float>();
@@ -365,7 +369,7 @@ std::vector<torch::Tensor> residual_norm(torch::Tensor x, torch::Tensor y, c10::
 // The gated MLP's activation: act(gate) * up from the fused gate/up projection [..., 2I] (gate
 // first), act = GELU with the tanh approximation or SiLU: PyTorch's own vectorised kernels, called
 // from here so that the split, the activation and the product cost one call from Python.
-torch::Tensor gated_activation(torch::Tensor gate_up, bool gelu_tanh) {
+at::Tensor gated_activation(at::Tensor gate_up, bool gelu_tanh) {
   const int64_t width = gate_up.size(-1) / 2;
   auto gate = gate_up.narrow(-1, 0, width), up = gate_up.narrow(-1, width, width);
   return (gelu_tanh ? at::gelu(gate, "tanh") : at::silu(gate)).mul_(up);
@@ -377,20 +381,20 @@ torch::Tensor gated_activation(torch::Tensor gate_up, bool gelu_tanh) {
 // slots: [b, T] int64. The rotation is x * cos + rotate_half(x) * sin with rotate_half(x) =
 // (-x2, x1), the same products and sum as `transformer.rotate`. Returns the rotated queries
 // [b, H, T, d]; the rotated keys and the values go to their slots.
-torch::Tensor rope_write(torch::Tensor qk, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
-                         torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor slots) {
-  TORCH_CHECK(qk.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat &&
-                  cache_k.scalar_type() == torch::kFloat && cache_v.scalar_type() == torch::kFloat,
+at::Tensor rope_write(at::Tensor qk, at::Tensor v, at::Tensor cos, at::Tensor sin,
+                         at::Tensor cache_k, at::Tensor cache_v, at::Tensor slots) {
+  TORCH_CHECK(qk.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                  cache_k.scalar_type() == at::kFloat && cache_v.scalar_type() == at::kFloat,
               "rope_write: float32 only");
   TORCH_CHECK(cache_k.stride(3) == 1 && cache_v.stride(3) == 1, "rope_write: cache rows must be contiguous");
   qk = qk.contiguous();
   v = v.contiguous();
   cos = cos.contiguous();
   sin = sin.contiguous();
-  slots = slots.to(torch::kLong).contiguous();
+  slots = slots.to(at::kLong).contiguous();
   const int64_t b = qk.size(0), t = qk.size(1), all_heads = qk.size(2), d = qk.size(3);
   const int64_t kv_heads = cache_k.size(1), heads = all_heads - kv_heads, half = d / 2;
-  auto q = torch::empty({b, heads, t, d}, qk.options());
+  auto q = at::empty({b, heads, t, d}, qk.options());
   const float* xs = qk.data_ptr<float>();
   const float* vs = v.data_ptr<float>();
   const float* cs = cos.data_ptr<float>();
@@ -564,11 +568,11 @@ inline void weighted_sum(const float* p, const int64_t* slots, int64_t n, const 
 // q: [b, H, T, d] float32; cache_k, cache_v: [b, KVH, capacity, d] (rows contiguous); visible:
 // [b, 1, T, S] bool over the first S slots; scale: the score factor. Query head h reads kv head
 // h / (H / KVH). Returns [b, T, H * d], the layout the output projection reads.
-torch::Tensor attention(torch::Tensor q, torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor visible,
+at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::Tensor visible,
                         double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && cache_k.scalar_type() == torch::kFloat &&
-                  cache_v.scalar_type() == torch::kFloat, "attention: float32 only");
-  TORCH_CHECK(visible.scalar_type() == torch::kBool && visible.dim() == 4, "attention: visible must be [b, 1, T, S] bool");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && cache_k.scalar_type() == at::kFloat &&
+                  cache_v.scalar_type() == at::kFloat, "attention: float32 only");
+  TORCH_CHECK(visible.scalar_type() == at::kBool && visible.dim() == 4, "attention: visible must be [b, 1, T, S] bool");
   TORCH_CHECK(cache_k.stride(3) == 1 && cache_v.stride(3) == 1, "attention: cache rows must be contiguous");
   q = q.contiguous();
   visible = visible.contiguous();
@@ -577,7 +581,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor cache_k, torch::Tensor ca
   TORCH_CHECK(heads % kv_heads == 0 && span <= cache_k.size(2) && visible.size(2) == t && visible.size(0) == b &&
                   cache_k.size(3) == d, "attention: shapes do not fit");
   const int64_t group = heads / kv_heads, chunks = (span + kChunk - 1) / kChunk;
-  auto out = torch::empty({b, t, heads * d}, q.options());
+  auto out = at::empty({b, t, heads * d}, q.options());
   // Per (query row, head, chunk): max, sum of exps, and the exp-weighted values.
   std::vector<float> part_m(b * t * heads * chunks), part_l(b * t * heads * chunks);
   std::vector<float> part_acc(b * t * heads * chunks * d);

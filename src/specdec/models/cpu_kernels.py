@@ -6,7 +6,7 @@ and on this project's 2-core CPU the int8 input preparation and the RMSNorms alo
 planes and rescaling (and chosen output columns alone), RMSNorm, a block's residual step with its norms, the rotary embedding with
 the cache write, and the gated MLP activation (measured here: an int8 step from ~37 to ~24 ms). It
 is compiled with PyTorch's own extension builder into the specdec cache (`SPECDEC_CACHE`, default
-~/.cache/specdec/kernels; ~30 s the first time, then a load of milliseconds).
+~/.cache/specdec/kernels; ~20 s the first time, then a load of milliseconds).
 
 Where it cannot be built (no C++ compiler, or `SPECDEC_CPU_KERNELS=0`), `load()` returns None and
 callers keep their pure-PyTorch paths, which compute the same thing.
@@ -62,7 +62,7 @@ def load():
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     fresh = not any(folder.glob("*.so"))
     if fresh:
-        print("specdec: compiling the CPU kernels (once per machine and checkout, ~30 s)", file=sys.stderr, flush=True)
+        print("specdec: compiling the CPU kernels (once per machine and checkout, ~20 s)", file=sys.stderr, flush=True)
     try:
         return cpp_extension.load(
             name="specdec_cpu_kernels",
