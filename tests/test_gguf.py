@@ -166,3 +166,13 @@ def test_own_reader_errors(tmp_path):
     (tmp_path / "cut.gguf").write_bytes(data[:-100])
     with pytest.raises(ModelLoadError, match="truncated"):
         gguf_file.read_gguf(tmp_path / "cut.gguf")
+    # A header cut inside a vocabulary-sized array of strings.
+    w = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
+    w.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(1000)])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    data = (tmp_path / "vocab.gguf").read_bytes()
+    (tmp_path / "vocab.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        gguf_file.read_gguf(tmp_path / "vocab.gguf")

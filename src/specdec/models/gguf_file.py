@@ -59,8 +59,11 @@ class _Cursor:
         self.buf, self.pos = buf, 0
 
     def unpack(self, fmt: str):
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise struct.error("the file ends inside its header (truncated?)")
         value = struct.unpack_from(fmt, self.buf, self.pos)[0]
-        self.pos += struct.calcsize(fmt)
+        self.pos += size
         return value
 
     def string(self) -> str:
@@ -81,7 +84,10 @@ class _Cursor:
         element, count = self.unpack("<I"), self.unpack("<Q")
         if element == _STRING:  # step over them: a vocabulary is hundreds of thousands
             for _ in range(count):
-                self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
+                length = self.unpack("<Q")  # (not `self.pos += self.unpack(...)`: that adds to the old pos)
+                self.pos += length
+            if self.pos > len(self.buf):
+                raise struct.error("an array of strings runs past the end of the file")
             return Skipped(count)
         if element == _ARRAY:  # arrays of arrays: nothing the conversion reads
             for _ in range(count):
