@@ -15,6 +15,7 @@ is a u32 element type, a u64 count and the elements.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,7 +145,7 @@ def read_gguf(path: Path) -> GgufFile:
         except (ValueError, KeyError) as exc:
             raise ModelLoadError(f"{path}: tensor {name} has an unknown ggml type {raw_type}") from exc
         rows_first = tuple(reversed(dims))
-        elements = int(np.prod(dims)) if dims else 1
+        elements = math.prod(dims)
         begin = start + offset
         if raw_type in _PLAIN:
             dtype, shape = np.dtype(_PLAIN[raw_type]), rows_first

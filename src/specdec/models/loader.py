@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -244,13 +245,10 @@ class StoredTensor:
 
     def read_into(self, start: int, out: torch.Tensor) -> None:
         """Read rows start .. start + len(out) into `out` (converted to its dtype if need be)."""
-        row_numel = 1
-        for d in self.shape[1:]:
-            row_numel *= d
         target = out if out.dtype == self.dtype and out.is_contiguous() else torch.empty(out.shape, dtype=self.dtype)
         raw = target.reshape(-1).view(torch.uint8).numpy()  # its bytes, to read into
         with open(self.path, "rb", buffering=0) as f:
-            f.seek(self.offset + start * row_numel * target.element_size())
+            f.seek(self.offset + start * math.prod(self.shape[1:]) * target.element_size())
             done = 0
             while done < raw.nbytes:
                 n = f.readinto(memoryview(raw)[done:])
@@ -307,9 +305,7 @@ def write_safetensors(path: Path, specs: list[tuple[str, torch.dtype, tuple[int,
     `safetensors.save_file` needs every tensor at once."""
     header, offset, sizes = {"__metadata__": {"format": "pt"}}, 0, []
     for name, dtype, shape in specs:
-        nbytes = torch.empty((), dtype=dtype).element_size()
-        for d in shape:
-            nbytes *= d
+        nbytes = torch.empty((), dtype=dtype).element_size() * math.prod(shape)
         header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
         sizes.append(nbytes)
