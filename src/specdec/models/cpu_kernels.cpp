@@ -67,9 +67,9 @@ inline float row_planes(const float* row, int64_t k, int16_t* high, int16_t* low
 
 constexpr int64_t kBlockK = 2048;
 constexpr int64_t kBlockM = 48;  // rows of x a thread keeps hot while it streams the weights
-// Up to this many rows, int8_linear widens the weights in registers at every use rather than once
-// into a buffer. With the next tile prefetched this measured faster or equal for 1-32 rows here
-// (BENCHMARKS.md, 4 December evening), and slower for a 688-token prefill.
+// Up to this many rows, int8_linear widens the weights in registers (`direct_rows`) rather than once
+// into a buffer. Measured faster or equal for 1-32 rows here, and slower from 40 rows on
+// (BENCHMARKS.md, 6 December).
 constexpr int64_t kDirectRows = 32;
 
 // The one output formula (exact integer sum -> float).
@@ -109,36 +109,26 @@ inline void prefetch_weights(const int8_t* p, int64_t bytes, const int8_t* end) 
   for (int64_t b = 0; b < room; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + b), _MM_HINT_T0);
 }
 
-// The exact sums of MT rows of v (stride kp) with 4 weight rows over inputs [k0, k1), k1 - k0 <=
-// kBlockK: sums[m] = the 4 columns' integers. Weights int16 already widened (Wide = int16_t, from
-// the thread's buffer) or int8 read straight from q (Wide = int8_t).
-template <int MT, typename Wide>
-__attribute__((always_inline)) inline void block_sums(const Wide* w, const int16_t* v, int64_t kp, int64_t k0, int64_t k1, __m128i* sums) {
+// The exact sums of MT rows of v (stride kp) with 4 widened weight rows (the thread's buffer) over
+// inputs [k0, k1), k1 - k0 <= kBlockK: sums[m] = the 4 columns' integers.
+template <int MT>
+__attribute__((always_inline)) inline void block_sums(const int16_t* w, const int16_t* v, int64_t kp, int64_t k0, int64_t k1, __m128i* sums) {
   __m256i acc[MT][4];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_setzero_si256();
   for (int64_t i = k0; i < k1; i += 16) {
-    if constexpr (sizeof(Wide) == 2) {
-      // Widened weights from L1 as the multiply's memory operand, each input row loaded once into a
-      // register: 2 + 8 loads for 8 multiply-adds. (The empty asm keeps GCC from re-loading the
-      // input rows at every use instead, 14 loads, which measured ~25% slower.)
-      __m256i xv[MT];
-      for (int m = 0; m < MT; ++m) {
-        xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + m * kp + i));
-        asm("" : "+x"(xv[m]));
-      }
-      for (int r = 0; r < 4; ++r)
-        for (int m = 0; m < MT; ++m)
-          acc[m][r] = _mm256_add_epi32(
-              acc[m][r], _mm256_madd_epi16(xv[m], _mm256_load_si256(reinterpret_cast<const __m256i*>(w + r * kp + i))));
-    } else {
-      __m256i wr[4];
-      for (int r = 0; r < 4; ++r) wr[r] = widen(reinterpret_cast<const int8_t*>(w) + r * kp + i);
-      for (int m = 0; m < MT; ++m) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + m * kp + i));
-        for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(xv, wr[r]));
-      }
+    // Widened weights from L1 as the multiply's memory operand, each input row loaded once into a
+    // register: 2 + 8 loads for 8 multiply-adds. (The empty asm keeps GCC from re-loading the
+    // input rows at every use instead, 14 loads, which measured ~25% slower.)
+    __m256i xv[MT];
+    for (int m = 0; m < MT; ++m) {
+      xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + m * kp + i));
+      asm("" : "+x"(xv[m]));
     }
+    for (int r = 0; r < 4; ++r)
+      for (int m = 0; m < MT; ++m)
+        acc[m][r] = _mm256_add_epi32(
+            acc[m][r], _mm256_madd_epi16(xv[m], _mm256_load_si256(reinterpret_cast<const __m256i*>(w + r * kp + i))));
   }
   for (int m = 0; m < MT; ++m) {  // the 8 lanes of each column -> one integer per column
     const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[m][0], acc[m][1]),
@@ -147,10 +137,78 @@ __attribute__((always_inline)) inline void block_sums(const Wide* w, const int16
   }
 }
 
+// Few rows (decode, verify): the exact sums of MT rows of v with NC int8 weight rows at w (stride
+// kp) over inputs [k0, k1), k1 - k0 <= kBlockK, widening each 16 weights in a register once for
+// all MT rows. MT x NC = 8 accumulators + NC weights + 1 input in the 16 AVX2 registers. While it
+// runs, it asks for one cache line per step of the 2 kp bytes at `ahead` (a later tile's weights,
+// or nullptr): spread over the loop, the requests keep the memory busy during the multiply-adds
+// instead of stalling at the start of the next tile.
+template <int MT, int NC>
+__attribute__((always_inline)) inline void direct_sums(const int8_t* w, const int16_t* v, int64_t kp, int64_t k0, int64_t k1,
+                                                        const int8_t* ahead, int32_t (&sums)[MT][NC]) {
+  __m256i acc[MT][NC];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < NC; ++r) acc[m][r] = _mm256_setzero_si256();
+  for (int64_t i = k0; i < k1; i += 16) {
+    __m256i wr[NC];
+    for (int r = 0; r < NC; ++r) wr[r] = widen(w + r * kp + i);
+    if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + 2 * i), _MM_HINT_T0);
+    for (int m = 0; m < MT; ++m) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + m * kp + i));
+      for (int r = 0; r < NC; ++r) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(xv, wr[r]));
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < NC; ++r) {  // 8 lanes -> one integer (exact in any order)
+      const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc[m][r]), _mm256_extracti128_si256(acc[m][r], 1));
+      const __m128i q = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+      sums[m][r] = _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 0xb1)));
+    }
+}
+
+// out[m, 0..min(NC, valid)) (row stride ldo) for MT rows by direct_sums and the scalar output formula.
+template <int MT, int NC>
+__attribute__((always_inline)) inline void direct_tile(const int8_t* w, const int16_t* v, int64_t kp, const float* c,
+                                                        const float* ws, const float* bias, float* out, int64_t ldo,
+                                                        int64_t valid, const int8_t* ahead) {
+  int32_t sums[MT][NC];
+  double total[MT][NC] = {};
+  for (int64_t k0 = 0; k0 < kp; k0 += kBlockK) {  // one block unless K > 2048
+    direct_sums<MT, NC>(w, v, kp, k0, std::min(kp, k0 + kBlockK), k0 == 0 ? ahead : nullptr, sums);
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < NC; ++r) total[m][r] += sums[m][r];
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < NC && r < valid; ++r) out[m * ldo + r] = int8_output(total[m][r], c[m], ws[r], bias ? bias + r : nullptr);
+}
+
+// Rows [m0, m1) of v against NC weight rows, in ceil(rows / 4) passes of near-equal size (5 -> 3 + 2,
+// 9 -> 3 + 3 + 3): each pass widens the same weights again, so a short last pass would pay for them
+// almost alone. Only the first pass asks for the weights `ahead`.
+template <int NC>
+inline void direct_rows(const int8_t* w, const int16_t* v, int64_t kp, int64_t m0, int64_t m1, const float* c,
+                        const float* ws, const float* bias, float* out, int64_t ldo, int64_t valid, const int8_t* ahead) {
+  const int64_t rows = m1 - m0, passes = (rows + 3) / 4;
+  int64_t m = m0;
+  for (int64_t p = 0; p < passes; ++p) {
+    const int64_t size = (m1 - m + (passes - p) - 1) / (passes - p);
+    const int16_t* vm = v + m * kp;
+    float* om = out + m * ldo;
+    switch (size) {
+      case 4: direct_tile<4, NC>(w, vm, kp, c + m, ws, bias, om, ldo, valid, ahead); break;
+      case 3: direct_tile<3, NC>(w, vm, kp, c + m, ws, bias, om, ldo, valid, ahead); break;
+      case 2: direct_tile<2, NC>(w, vm, kp, c + m, ws, bias, om, ldo, valid, ahead); break;
+      default: direct_tile<1, NC>(w, vm, kp, c + m, ws, bias, om, ldo, valid, ahead); break;
+    }
+    m += size;
+    ahead = nullptr;
+  }
+}
+
 // out[m, col..col+valid) for MT rows of v and the 4 weight rows at w: `int8_output` of the exact
 // sums, four lanes at a time (the same roundings as the scalar formula, lane by lane).
-template <int MT, typename Wide>
-__attribute__((always_inline)) inline void tile(const Wide* w, const int16_t* v, int64_t kp, const float* c, const float* ws, const float* bias,
+template <int MT>
+__attribute__((always_inline)) inline void tile(const int16_t* w, const int16_t* v, int64_t kp, const float* c, const float* ws, const float* bias,
                  float* out, int64_t ldo, int64_t valid) {
   __m128 totals[MT];
   __m128i sums[MT];
@@ -220,10 +278,13 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor ws, c10::optional<
 #if defined(__AVX2__)
         int64_t m = m0;
         if (n <= kDirectRows) {
-          prefetch_weights(w + 4 * kp, 4 * kp, qs + n4 * kp);  // the next tile
-          for (; m + 2 <= m1; m += 2)
-            tile<2>(w, v.data() + m * kp, kp, c.data() + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
-          if (m < m1) tile<1>(w, v.data() + m * kp, kp, c.data() + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
+          // Two columns at a time; the first pass over them asks for the same two columns of the
+          // tile two ahead (~2 x 0.5 us of multiply-adds for 9 rows: far enough to hide the latency).
+          for (int64_t h = 0; h < 4 && h < valid; h += 2) {
+            const int8_t* ahead = w + (8 + h) * kp;
+            direct_rows<2>(w + h * kp, v.data(), kp, m0, m1, c.data(), wss + col + h, bcol ? bcol + h : nullptr,
+                           os + col + h, n_out, valid - h, ahead < qs + n4 * kp ? ahead : nullptr);
+          }
           continue;
         }
         // A prefill reuses each tile for up to kBlockM rows: one line two tiles ahead was faster
@@ -232,9 +293,9 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor ws, c10::optional<
         for (int64_t i = 0; i < 4 * kp; i += 16)
           _mm256_store_si256(reinterpret_cast<__m256i*>(wide + i), widen(w + i));
         for (; m + 2 <= m1; m += 2)
-          tile<2>(static_cast<const int16_t*>(wide), v.data() + m * kp, kp, c.data() + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
+          tile<2>(wide, v.data() + m * kp, kp, c.data() + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
         if (m < m1)
-          tile<1>(static_cast<const int16_t*>(wide), v.data() + m * kp, kp, c.data() + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
+          tile<1>(wide, v.data() + m * kp, kp, c.data() + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
 #else
         for (int64_t m = m0; m < m1; ++m)
           for (int64_t j = 0; j < valid; ++j) {
