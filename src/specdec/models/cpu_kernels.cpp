@@ -79,14 +79,19 @@ inline float int8_output(double sum, float c, float w_scale, const float* bias) 
   return o;
 }
 
-// One row of x on the int16 grid: v[0..k) as above, v[k..kp) = 0 (padding). Returns c = s / 126.
-inline float row_int16(const float* row, int64_t k, int64_t kp, int16_t* v) {
-  std::vector<int16_t> low(k);
-  const float s = row_planes(row, k, v, low.data());
+// One row of x on the int16 grid: v[0..k) as above, v[k..kp) = 0 (padding); low: k int16 of
+// scratch. Returns c = s / 126.
+inline float row_int16(const float* row, int64_t k, int64_t kp, int16_t* v, int16_t* low) {
+  const float s = row_planes(row, k, v, low);
   for (int64_t i = 0; i < k; ++i) v[i] = static_cast<int16_t>(v[i] * 126 + low[i]);
   std::fill(v + k, v + kp, int16_t{0});
   return s / (2 * kLevels);
 }
+
+// Row-by-row kernels split a block's rows over the threads from this many rows on (a prefill).
+// Fewer rows (decode and verify) stay on the calling thread: there a fork and join would cost
+// more than the rows. Each row's result is the same either way.
+constexpr int64_t kParallelRows = 64;
 
 // x [..., k] float32 -> rows [n, kp] int16 and their c [n].
 inline void input_int16(const at::Tensor& x, int64_t kp, std::vector<int16_t>& v, std::vector<float>& c) {
@@ -94,7 +99,10 @@ inline void input_int16(const at::Tensor& x, int64_t kp, std::vector<int16_t>& v
   v.resize(n * kp);
   c.resize(n);
   const float* xs = x.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r) c[r] = row_int16(xs + r * k, k, kp, v.data() + r * kp);
+  at::parallel_for(0, n, kParallelRows, [&](int64_t r0, int64_t r1) {
+    std::vector<int16_t> low(k);
+    for (int64_t r = r0; r < r1; ++r) c[r] = row_int16(xs + r * k, k, kp, v.data() + r * kp, low.data());
+  });
 }
 
 #if defined(__AVX2__)
@@ -391,7 +399,9 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   const float* xs = x.data_ptr<float>();
   const float* ws = w.data_ptr<float>();
   float* os = out.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) rms_norm_row(xs + r * d, ws + (r % period) * d, os + r * d, d, eps);
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row(xs + r * d, ws + (r % period) * d, os + r * d, d, eps);
+  });
   return out;
 }
 
@@ -409,20 +419,22 @@ std::vector<at::Tensor> residual_norm(at::Tensor x, at::Tensor y, c10::optional<
   if (w_out.has_value()) wo = w_out->contiguous();
   auto sum = at::empty_like(x);
   at::Tensor normed = w_out.has_value() ? at::empty_like(x) : at::Tensor();
-  std::vector<float> scratch(d);
   const float* xs = x.data_ptr<float>();
   const float* ys = y.data_ptr<float>();
   float* ss = sum.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* add = ys + r * d;
-    if (w_y.has_value()) {
-      rms_norm_row(add, wy.data_ptr<float>(), scratch.data(), d, eps);
-      add = scratch.data();
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scratch(d);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* add = ys + r * d;
+      if (w_y.has_value()) {
+        rms_norm_row(add, wy.data_ptr<float>(), scratch.data(), d, eps);
+        add = scratch.data();
+      }
+      float* o = ss + r * d;
+      for (int64_t i = 0; i < d; ++i) o[i] = xs[r * d + i] + add[i];
+      if (w_out.has_value()) rms_norm_row(o, wo.data_ptr<float>(), normed.data_ptr<float>() + r * d, d, eps);
     }
-    float* o = ss + r * d;
-    for (int64_t i = 0; i < d; ++i) o[i] = xs[r * d + i] + add[i];
-    if (w_out.has_value()) rms_norm_row(o, wo.data_ptr<float>(), normed.data_ptr<float>() + r * d, d, eps);
-  }
+  });
   if (w_out.has_value()) return {sum, normed};
   return {sum};
 }
@@ -465,11 +477,15 @@ at::Tensor rope_write(at::Tensor qk, at::Tensor v, at::Tensor cos, at::Tensor si
   float* ks = cache_k.data_ptr<float>();
   float* cvs = cache_v.data_ptr<float>();
   for (int64_t bi = 0; bi < b; ++bi) {
-    for (int64_t ti = 0; ti < t; ++ti) {
+    for (int64_t ti = 0; ti < t; ++ti)  // the slots first: a check must not throw inside a parallel region
+      TORCH_CHECK(slot[bi * t + ti] >= 0 && slot[bi * t + ti] < cache_k.size(2), "rope_write: slot out of range");
+  }
+  at::parallel_for(0, b * t, kParallelRows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t bi = r / t, ti = r % t;
       const float* c = cs + (bi * t + ti) * d;
       const float* s = sn + (bi * t + ti) * d;
       const int64_t at = slot[bi * t + ti];
-      TORCH_CHECK(at >= 0 && at < cache_k.size(2), "rope_write: slot out of range");
       for (int64_t h = 0; h < all_heads; ++h) {
         const float* x = xs + ((bi * t + ti) * all_heads + h) * d;
         float* o = h < heads ? qs + ((bi * heads + h) * t + ti) * d
@@ -485,7 +501,7 @@ at::Tensor rope_write(at::Tensor qk, at::Tensor v, at::Tensor cos, at::Tensor si
         std::copy(x, x + d, o);
       }
     }
-  }
+  });
   return q;
 }
 
