@@ -42,19 +42,47 @@ inline at::Tensor empty_with_last(const at::Tensor& x, int64_t n) {
   return at::empty(shape, x.options().dtype(at::kFloat));
 }
 
-// One row's two planes (see models/quant.py): high = round(x / s), low = round((x / s - high) * 126),
-// s = max|x| / 63 (at least FLT_MIN so a zero row stays zero). Returns s.
-inline float row_planes(const float* row, int64_t k, int16_t* high, int16_t* low) {
+// One row of x on the int16 grid of Int8Linear (see models/quant.py): s = max|x| / 63 (at least
+// FLT_MIN so a zero row stays zero), high = round(x / s), low = round((x / s - high) * 126), and
+// v = 126 high + low (|v| <= 8001) in v[0..k), v[k..kp) = 0 (padding). Returns c = s / 126.
+// Rounding is half to even, as torch.round. The AVX2 loop does the same float operations 8 lanes
+// at a time (the maximum is the same in any order; division, rounding and the products are per
+// element), so every v is the scalar loop's.
+inline float row_int16(const float* row, int64_t k, int64_t kp, int16_t* v) {
   float peak = 0.0f;
-  for (int64_t i = 0; i < k; ++i) peak = std::max(peak, std::fabs(row[i]));
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 peaks = _mm256_setzero_ps();
+  for (; i + 8 <= k; i += 8) peaks = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(row + i)), peaks);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, peaks);
+  for (int j = 0; j < 8; ++j) peak = std::max(peak, lanes[j]);
+#endif
+  for (; i < k; ++i) peak = std::max(peak, std::fabs(row[i]));
   const float s = std::max(peak / kLevels, FLT_MIN);
-  for (int64_t i = 0; i < k; ++i) {
-    const float v = row[i] / s;
-    const float hv = std::nearbyint(v);  // round half to even, as torch.round
-    high[i] = static_cast<int16_t>(hv);
-    low[i] = static_cast<int16_t>(std::nearbyint((v - hv) * (2 * kLevels)));
+  i = 0;
+#if defined(__AVX2__)
+  const __m256 sv = _mm256_set1_ps(s), steps = _mm256_set1_ps(2 * kLevels);
+  const __m256i times = _mm256_set1_epi32(126);
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (; i + 8 <= k; i += 8) {
+    const __m256 x = _mm256_div_ps(_mm256_loadu_ps(row + i), sv);
+    const __m256 high = _mm256_round_ps(x, kNearest);
+    const __m256 low = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(x, high), steps), kNearest);
+    const __m256i both = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_cvtps_epi32(high), times), _mm256_cvtps_epi32(low));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(v + i),
+                     _mm_packs_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1)));
   }
-  return s;
+#endif
+  for (; i < k; ++i) {
+    const float x = row[i] / s;
+    const float high = std::nearbyint(x);
+    const float low = std::nearbyint((x - high) * (2 * kLevels));
+    v[i] = static_cast<int16_t>(static_cast<int>(high) * 126 + static_cast<int>(low));
+  }
+  std::fill(v + k, v + kp, int16_t{0});
+  return s / (2 * kLevels);
 }
 
 // -- Int8Linear's own matrix product ------------------------------------------------------------
@@ -69,7 +97,7 @@ constexpr int64_t kBlockK = 2048;
 constexpr int64_t kBlockM = 48;  // rows of x a thread keeps hot while it streams the weights
 // Up to this many rows, int8_linear widens the weights in registers (`direct_rows`) rather than once
 // into a buffer. Measured faster or equal for 1-32 rows here, and slower from 40 rows on
-// (BENCHMARKS.md, 6 December).
+// (BENCHMARKS.md, 2026-12-05 morning).
 constexpr int64_t kDirectRows = 32;
 
 // The one output formula (exact integer sum -> float).
@@ -77,15 +105,6 @@ inline float int8_output(double sum, float c, float w_scale, const float* bias) 
   float o = static_cast<float>(sum) * c * w_scale;
   if (bias != nullptr) o += *bias;
   return o;
-}
-
-// One row of x on the int16 grid: v[0..k) as above, v[k..kp) = 0 (padding); low: k int16 of
-// scratch. Returns c = s / 126.
-inline float row_int16(const float* row, int64_t k, int64_t kp, int16_t* v, int16_t* low) {
-  const float s = row_planes(row, k, v, low);
-  for (int64_t i = 0; i < k; ++i) v[i] = static_cast<int16_t>(v[i] * 126 + low[i]);
-  std::fill(v + k, v + kp, int16_t{0});
-  return s / (2 * kLevels);
 }
 
 // Row-by-row kernels split a block's rows over the threads from this many rows on (a prefill).
@@ -100,8 +119,7 @@ inline void input_int16(const at::Tensor& x, int64_t kp, std::vector<int16_t>& v
   c.resize(n);
   const float* xs = x.data_ptr<float>();
   at::parallel_for(0, n, kParallelRows, [&](int64_t r0, int64_t r1) {
-    std::vector<int16_t> low(k);
-    for (int64_t r = r0; r < r1; ++r) c[r] = row_int16(xs + r * k, k, kp, v.data() + r * kp, low.data());
+    for (int64_t r = r0; r < r1; ++r) c[r] = row_int16(xs + r * k, k, kp, v.data() + r * kp);
   });
 }
 
