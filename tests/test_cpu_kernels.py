@@ -176,6 +176,23 @@ def test_block_kernels_match_pytorch_ops(kernels):
     torch.testing.assert_close(kernels.gated_activation(gate_up, False), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
+def test_own_gelu_tanh_is_accurate_and_the_same_in_every_lane(kernels):
+    # The kernel's own GELU (g / (1 + exp(-2z)), z = sqrt(2/pi) (g + 0.044715 g^3)) against the
+    # float64 formula, over the range activations take, on a width that is no multiple of 8 so the
+    # scalar tail is tested too.
+    x = torch.linspace(-6, 6, 8 * 1001 + 5)
+    gate_up = torch.cat([x, torch.full_like(x, 2.0)])[None]
+    ours = kernels.gated_activation(gate_up, True)[0].double()
+    ref = 2.0 * F.gelu(x.double(), approximate="tanh")
+    assert (ours - ref).abs().max() < 2e-6
+    big = ref.abs() > 1e-3
+    assert ((ours - ref).abs()[big] / ref.abs()[big]).max() < 4e-6  # float32: exp of an argument up to ~20
+    # A value's result does not depend on where in the row it sits (vector lanes and scalar tail).
+    for width in (13, 8, 3):
+        same = kernels.gated_activation(torch.cat([torch.full((2, width), -0.8125), torch.ones(2, width)], dim=1), True)
+        assert torch.equal(same, torch.full_like(same, float(same[0, 0])))
+
+
 def test_rope_write_matches_rotate_and_cache_write(kernels):
     from specdec.models.kv_cache import KVCache
     from specdec.models.transformer import rope_tables, rotate
