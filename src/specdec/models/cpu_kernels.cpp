@@ -395,10 +395,28 @@ at::Tensor int8_columns(at::Tensor x, at::Tensor q, at::Tensor ws, at::Tensor id
   return out;
 }
 
-// One row of RMSNorm: out = x / sqrt(mean(x^2) + eps) * w, the mean of squares summed in double.
+// One row of RMSNorm: out = x / sqrt(mean(x^2) + eps) * w, the mean of squares summed in double
+// (on AVX2 in 8 running sums of 4 doubles a 32-element step, added in a fixed order at the end;
+// in double the order changes the sum by ~1e-16 relative, far below what the float result keeps).
 inline void rms_norm_row(const float* x, const float* w, float* out, int64_t d, double eps) {
   double squares = 0.0;
-  for (int64_t i = 0; i < d; ++i) squares += static_cast<double>(x[i]) * x[i];
+  int64_t i = 0;
+#if defined(__AVX2__)
+  if (d >= 32) {
+    __m256d acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_pd();
+    for (; i + 32 <= d; i += 32)
+      for (int j = 0; j < 8; ++j) {
+        const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4 * j));
+        acc[j] = _mm256_fmadd_pd(v, v, acc[j]);
+      }
+    for (int j = 1; j < 8; ++j) acc[0] = _mm256_add_pd(acc[0], acc[j]);
+    alignas(32) double lanes[4];
+    _mm256_store_pd(lanes, acc[0]);
+    squares = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  }
+#endif
+  for (; i < d; ++i) squares += static_cast<double>(x[i]) * x[i];
   const float inv = static_cast<float>(1.0 / std::sqrt(squares / d + eps));
   for (int64_t i = 0; i < d; ++i) out[i] = x[i] * inv * w[i];
 }
