@@ -734,7 +734,21 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
   const int64_t kv_heads = cache_k.size(1), span = visible.size(3);
   TORCH_CHECK(heads % kv_heads == 0 && span <= cache_k.size(2) && visible.size(2) == t && visible.size(0) == b &&
                   cache_k.size(3) == d, "attention: shapes do not fit");
-  const int64_t group = heads / kv_heads, chunks = (span + kChunk - 1) / kChunk;
+  const bool* vis = visible.data_ptr<bool>();
+  // Only the chunks that hold a slot some row sees get work items (a sliding-window layer sees 512
+  // of a long context's slots: the others would leave one thread idle). The chunks keep their
+  // fixed slot boundaries, so a row's result is what scoring every chunk gives: a chunk it sees
+  // nothing of adds nothing to the merge.
+  int64_t lo = span, hi = -1;
+  for (int64_t r = 0; r < b * t; ++r) {
+    const bool* row = vis + r * span;
+    int64_t s0 = 0, s1 = span - 1;
+    while (s0 < lo && !row[s0]) ++s0;
+    lo = std::min(lo, s0);
+    while (s1 > hi && !row[s1]) --s1;
+    hi = std::max(hi, s1);
+  }
+  const int64_t group = heads / kv_heads, first = lo / kChunk, chunks = hi < lo ? 0 : hi / kChunk - first + 1;
   auto out = at::empty({b, t, heads * d}, q.options());
   // Per (query row, head, chunk): max, sum of exps, and the exp-weighted values.
   std::vector<float> part_m(b * t * heads * chunks), part_l(b * t * heads * chunks);
@@ -742,7 +756,6 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
   const float* qs = q.data_ptr<float>();
   const float* ks = cache_k.data_ptr<float>();
   const float* vs = cache_v.data_ptr<float>();
-  const bool* vis = visible.data_ptr<bool>();
   const float sc = static_cast<float>(scale);
   const int64_t k_stride = cache_k.stride(2), v_stride = cache_v.stride(2);
   // Work items: (batch row, kv head, query row, chunk), each for the group of heads that read that
@@ -753,7 +766,7 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t c = item % chunks, ti = (item / chunks) % t, kv = (item / (chunks * t)) % kv_heads,
                     bi = item / (chunks * t * kv_heads);
-      const int64_t s0 = c * kChunk, s1 = std::min(span, s0 + kChunk);
+      const int64_t s0 = (first + c) * kChunk, s1 = std::min(span, s0 + kChunk);
       const float* kbase = ks + bi * cache_k.stride(0) + kv * cache_k.stride(1);
       const float* vbase = vs + bi * cache_v.stride(0) + kv * cache_v.stride(1);
       const bool* row_vis = vis + (bi * t + ti) * span;
