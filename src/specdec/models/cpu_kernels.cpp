@@ -758,13 +758,15 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
   const float* vs = cache_v.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const int64_t k_stride = cache_k.stride(2), v_stride = cache_v.stride(2);
-  // Work items: (batch row, kv head, query row, chunk), each for the group of heads that read that
-  // kv head (their scores two heads at a time, sharing the key loads).
+  // Work items: (batch row, kv head, chunk, query row), each for the group of heads that read that
+  // kv head (their scores two heads at a time, sharing the key loads). The query rows of one chunk
+  // follow each other, so its keys and values (256 KB for Gemma 3) are read from memory once and
+  // from the core's cache for the other rows of a verify block.
   at::parallel_for(0, b * kv_heads * t * chunks, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(group * kChunk), probs(kChunk);
     std::vector<int64_t> seen(kChunk);
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t c = item % chunks, ti = (item / chunks) % t, kv = (item / (chunks * t)) % kv_heads,
+      const int64_t ti = item % t, c = (item / t) % chunks, kv = (item / (chunks * t)) % kv_heads,
                     bi = item / (chunks * t * kv_heads);
       const int64_t s0 = (first + c) * kChunk, s1 = std::min(span, s0 + kChunk);
       const float* kbase = ks + bi * cache_k.stride(0) + kv * cache_k.stride(1);
