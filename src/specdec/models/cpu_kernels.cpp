@@ -695,28 +695,40 @@ inline void axpy(float p, const float* v, float* acc, int64_t d) {
   for (; i < d; ++i) acc[i] = std::fma(p, v[i], acc[i]);
 }
 
-// acc[0..d) = sum over the n slots, in order, of p[j] * v_j (rows `stride` apart), each element
-// by fused multiply-adds from zero: what n calls of `axpy` give, with the sums kept in registers
-// 64 elements at a time.
-inline void weighted_sum(const float* p, const int64_t* slots, int64_t n, const float* v, int64_t stride, float* acc,
-                         int64_t d) {
+// For H heads that read the same value rows (rows `stride` apart): acc[h][0..d) = sum over the n
+// slots, in order, of p[h][j] * v_j, each element by fused multiply-adds from zero: what n calls of
+// `axpy` give, with the sums kept in registers 16 elements of H heads at a time. So each value row
+// is read once for the H heads, not once per head: a chunk's values (128 KB for Gemma 3) do not fit
+// in the first-level cache, and reading them once per head was the larger part of a verify row's
+// attention. The block width changes no element's sequence of operations, so no bit.
+template <int H>
+inline void weighted_sum_heads(const float* const* p, const int64_t* slots, int64_t n, const float* v, int64_t stride,
+                               float* const* acc, int64_t d) {
   int64_t i = 0;
 #if defined(__AVX2__)
-  for (; i + 64 <= d; i += 64) {
-    __m256 sum[8];
-    for (int r = 0; r < 8; ++r) sum[r] = _mm256_setzero_ps();
+  for (; i + 16 <= d; i += 16) {
+    __m256 sum[H][2];
+    for (int h = 0; h < H; ++h) sum[h][0] = sum[h][1] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
-      const __m256 pv = _mm256_set1_ps(p[j]);
       const float* row = v + slots[j] * stride + i;
-      for (int r = 0; r < 8; ++r) sum[r] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + 8 * r), sum[r]);
+      const __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
+      for (int h = 0; h < H; ++h) {
+        const __m256 pv = _mm256_broadcast_ss(p[h] + j);
+        sum[h][0] = _mm256_fmadd_ps(pv, v0, sum[h][0]);
+        sum[h][1] = _mm256_fmadd_ps(pv, v1, sum[h][1]);
+      }
     }
-    for (int r = 0; r < 8; ++r) _mm256_storeu_ps(acc + i + 8 * r, sum[r]);
+    for (int h = 0; h < H; ++h) {
+      _mm256_storeu_ps(acc[h] + i, sum[h][0]);
+      _mm256_storeu_ps(acc[h] + i + 8, sum[h][1]);
+    }
   }
 #endif
-  if (i < d) {
-    std::fill(acc + i, acc + d, 0.0f);
-    for (int64_t j = 0; j < n; ++j) axpy(p[j], v + slots[j] * stride + i, acc + i, d - i);
-  }
+  if (i < d)
+    for (int h = 0; h < H; ++h) {
+      std::fill(acc[h] + i, acc[h] + d, 0.0f);
+      for (int64_t j = 0; j < n; ++j) axpy(p[h][j], v + slots[j] * stride + i, acc[h] + i, d - i);
+    }
 }
 
 // q: [b, H, T, d] float32; cache_k, cache_v: [b, KVH, capacity, d] (rows contiguous); visible:
@@ -763,7 +775,7 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
   // follow each other, so its keys and values (256 KB for Gemma 3) are read from memory once and
   // from the core's cache for the other rows of a verify block.
   at::parallel_for(0, b * kv_heads * t * chunks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(group * kChunk), probs(kChunk);
+    std::vector<float> scores(group * kChunk), probs(group * kChunk);
     std::vector<int64_t> seen(kChunk);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t ti = item % t, c = (item / t) % chunks, kv = (item / (chunks * t)) % kv_heads,
@@ -783,20 +795,42 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
           dot_fixed2(q0 + g * t * d, q0 + (g + 1) * t * d, krow, d, &scores[g * kChunk + j], &scores[(g + 1) * kChunk + j]);
         if (g < group) scores[g * kChunk + j] = dot_fixed(q0 + g * t * d, krow, d);
       }
+      const int64_t part0 = ((bi * t + ti) * heads + kv * group) * chunks + c;  // head g: part0 + g chunks
       for (int64_t g = 0; g < group; ++g) {
-        const int64_t part = ((bi * t + ti) * heads + kv * group + g) * chunks + c;
         float* sg = scores.data() + g * kChunk;
+        float* pg = probs.data() + g * kChunk;
         float m = -INFINITY;
         for (int64_t j = 0; j < n; ++j) {
           sg[j] *= sc;
           m = std::max(m, sg[j]);
         }
-        exp_shifted(sg, m, n, probs.data());
+        exp_shifted(sg, m, n, pg);
         float l = 0.0f;
-        for (int64_t j = 0; j < n; ++j) l += probs[j];
-        weighted_sum(probs.data(), seen.data(), n, vbase, v_stride, part_acc.data() + part * d, d);
-        part_m[part] = m;  // -inf when the row sees no slot of this chunk (then l = 0, acc = 0)
-        part_l[part] = l;
+        for (int64_t j = 0; j < n; ++j) l += pg[j];
+        part_m[part0 + g * chunks] = m;  // -inf when the row sees no slot of this chunk (then l = 0, acc = 0)
+        part_l[part0 + g * chunks] = l;
+      }
+      // The exp-weighted values, four heads (then two, then one) per pass over the value rows.
+      int64_t g = 0;
+      const float* p4[4];
+      float* a4[4];
+      auto heads_from = [&](int64_t g0, int count) {
+        for (int h = 0; h < count; ++h) {
+          p4[h] = probs.data() + (g0 + h) * kChunk;
+          a4[h] = part_acc.data() + (part0 + (g0 + h) * chunks) * d;
+        }
+      };
+      for (; g + 4 <= group; g += 4) {
+        heads_from(g, 4);
+        weighted_sum_heads<4>(p4, seen.data(), n, vbase, v_stride, a4, d);
+      }
+      for (; g + 2 <= group; g += 2) {
+        heads_from(g, 2);
+        weighted_sum_heads<2>(p4, seen.data(), n, vbase, v_stride, a4, d);
+      }
+      if (g < group) {
+        heads_from(g, 1);
+        weighted_sum_heads<1>(p4, seen.data(), n, vbase, v_stride, a4, d);
       }
     }
   });
