@@ -790,6 +790,12 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
       const float* q0 = qs + ((bi * heads + kv * group) * t + ti) * d;  // head kv * group + g at q0 + g t d
       for (int64_t j = 0; j < n; ++j) {
         const float* krow = kbase + seen[j] * k_stride;
+#if defined(__AVX2__)
+        // Ask for the slot's value row now: the weighted sums below read the rows 16 elements at a
+        // time, a pattern the hardware prefetcher does not follow from memory.
+        const char* vrow = reinterpret_cast<const char*>(vbase + seen[j] * v_stride);
+        for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(float)); byte += 64) _mm_prefetch(vrow + byte, _MM_HINT_T1);
+#endif
         int64_t g = 0;
         for (; g + 2 <= group; g += 2)
           dot_fixed2(q0 + g * t * d, q0 + (g + 1) * t * d, krow, d, &scores[g * kChunk + j], &scores[(g + 1) * kChunk + j]);
