@@ -211,3 +211,35 @@ def test_rope_write_matches_rotate_and_cache_write(kernels):
     assert torch.equal(q, rotated[:, :heads])  # the same products and sums: bit-identical
     assert torch.equal(compiled.keys[0], reference.keys[0])
     assert torch.equal(compiled.values[0], reference.values[0])
+
+
+def test_argmax_rows_is_torch_argmax(kernels):
+    # Random rows of several widths (vector blocks, scalar tails), ties to the lowest index, a
+    # maximum in the tail, +-0, infinities and NaN: the same index as torch.argmax, row by row.
+    g = torch.Generator().manual_seed(3)
+    for width in (1, 7, 8, 31, 32, 33, 1000, 262_147):
+        x = torch.randn(5, width, generator=g)
+        assert torch.equal(kernels.argmax_rows(x), x.argmax(-1)), width
+    x = torch.zeros(8, 70)
+    x[0, [5, 40]] = 3.0  # a tie: the lower index
+    x[1, 69] = 1.0  # in the scalar tail
+    x[2, :] = -1.0
+    x[2, [3, 50]] = -0.0  # -0.0 and +0.0 tie
+    x[2, 60] = 0.0
+    x[3, 10] = float("inf")
+    x[3, 20] = float("inf")
+    x[4, 30] = float("nan")
+    x[4, 50] = float("nan")
+    x[5, 0] = float("nan")
+    x[6, 65] = float("nan")
+    x[6, 1] = float("inf")
+    x[7, :] = float("-inf")
+    assert kernels.argmax_rows(x).tolist() == x.argmax(-1).tolist()
+
+
+def test_greedy_tokens_match_torch_argmax():
+    from specdec.sampling import greedy_tokens
+
+    x = torch.randn(3, 500, generator=torch.Generator().manual_seed(4))
+    assert greedy_tokens(x) == x.argmax(-1).tolist()
+    assert greedy_tokens(x.double()) == x.argmax(-1).tolist()  # the PyTorch path

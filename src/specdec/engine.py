@@ -22,7 +22,7 @@ from .drafters.eagle import eagle_head_path, is_eagle_name, make_eagle_drafter
 from .errors import InvalidRequestError, SpecdecError
 from .models import loader
 from .models.transformer import Transformer
-from .sampling import SamplingParams, make_generator, process_logits, sample
+from .sampling import SamplingParams, greedy_tokens, make_generator, process_logits, sample
 from .tokenizer import Detokenizer, Tokenizer
 from .verify import TokenTree, TreeVerdict, Verdict, first_proven_rejection, verify_greedy, verify_greedy_rows, \
     verify_sampling, verify_tree_greedy, verify_tree_sampling
@@ -472,7 +472,7 @@ class Engine:
     def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
         # logits: [1, vocab] (the last position)
         if sampling.greedy:
-            return int(logits[-1].argmax())
+            return greedy_tokens(logits[-1:])[0]
         return int(sample(process_logits(logits[-1], sampling), generator))
 
     @staticmethod

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .sampling import greedy_tokens
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -64,7 +66,7 @@ def verify_greedy(target_logits: Tensor, draft: list[int]) -> Verdict:
     target_logits: Tensor  # [k + 1, vocab]; row i = target's logits after context + draft[:i]
     """
     _check_shapes(target_logits, draft, "target_logits")
-    best = target_logits.argmax(-1).tolist()  # [k + 1], one device sync
+    best = greedy_tokens(target_logits)  # [k + 1], one device sync
     for i, token in enumerate(draft):
         if token != best[i]:
             return Verdict(list(draft[:i]), best[i], "recovered")
@@ -261,7 +263,7 @@ def verify_tree_greedy(target_logits: Tensor, tree: TokenTree) -> TreeVerdict:
     """
     if target_logits.dim() != 2 or target_logits.shape[0] != len(tree) + 1:
         raise ValueError(f"target_logits must be [len(tree) + 1, vocab], got {list(target_logits.shape)}")
-    best = target_logits.argmax(-1).tolist()
+    best = greedy_tokens(target_logits)
     path: list[int] = []
     node = -1
     while True:

@@ -614,6 +614,67 @@ at::Tensor rope_write(at::Tensor qk, at::Tensor v, at::Tensor cos, at::Tensor si
   return q;
 }
 
+// -- greedy choice ------------------------------------------------------------------------------
+//
+// The argmax of each row of x [n, V] float32, as torch.argmax gives it: the lowest index among
+// equal maxima, and the first NaN where a row has one (torch orders NaN above every number).
+// Two passes over the row, 8 lanes at a time: its maximum (max is exact, so its order does not
+// matter), then the first index holding it. torch's took ~1.1 ns an element here, ~0.3 ms for
+// one row of Gemma 3's 262k logits, at every decoding step.
+at::Tensor argmax_rows(at::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0, "argmax_rows: x must be [n, V] float32, V > 0");
+  x = x.contiguous();
+  const int64_t n = x.size(0), v = x.size(1);
+  auto out = at::empty({n}, x.options().dtype(at::kLong));
+  const float* xs = x.data_ptr<float>();
+  int64_t* os = out.data_ptr<int64_t>();
+  at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = xs + r * v;
+      float best = row[0];
+      bool nan = false;
+      int64_t i = 0;
+#if defined(__AVX2__)
+      if (v >= 32) {
+        __m256 m[4], bad = _mm256_setzero_ps();
+        for (int j = 0; j < 4; ++j) m[j] = _mm256_set1_ps(row[0]);
+        for (; i + 32 <= v; i += 32)
+          for (int j = 0; j < 4; ++j) {
+            const __m256 a = _mm256_loadu_ps(row + i + 8 * j);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+            m[j] = _mm256_max_ps(a, m[j]);  // a NaN lane keeps m (the second operand)
+          }
+        nan = _mm256_movemask_ps(bad) != 0;
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
+        for (int j = 0; j < 8; ++j) best = std::max(best, lanes[j]);
+      }
+#endif
+      for (; i < v; ++i) {
+        nan = nan || std::isnan(row[i]);
+        best = std::max(best, row[i]);
+      }
+      int64_t at = 0;
+      if (nan || std::isnan(best)) {
+        while (!std::isnan(row[at])) ++at;
+      } else {
+        i = 0;
+#if defined(__AVX2__)
+        const __m256 target = _mm256_set1_ps(best);
+        for (; i + 8 <= v; i += 8) {
+          const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), target, _CMP_EQ_OQ));
+          if (hits != 0) break;
+        }
+#endif
+        while (row[i] != best) ++i;  // the block holding the first maximum, or the scalar tail
+        at = i;
+      }
+      os[r] = at;
+    }
+  });
+  return out;
+}
+
 // -- attention for a few queries ---------------------------------------------------------------
 //
 // softmax(q k^T * scale) v over the visible cache slots, for decode and verify blocks. Each query
@@ -872,6 +933,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm with per-row-period weights");
   m.def("residual_norm", &residual_norm, "x + norm(y), and the norm of that sum");
   m.def("gated_activation", &gated_activation, "act(gate) * up from a fused gate/up projection");
+  m.def("argmax_rows", &argmax_rows, "the argmax of each row, as torch.argmax (lowest index, NaN first)");
   m.def("attention", &attention, "softmax attention of a few queries over the visible cache slots, row by row");
   m.def("rope_write", &rope_write, "rotary embedding of q and k; k and v written to the cache");
 }
