@@ -585,18 +585,16 @@ at::Tensor rope_write(at::Tensor qk, at::Tensor v, at::Tensor cos, at::Tensor si
   float* qs = q.data_ptr<float>();
   float* ks = cache_k.data_ptr<float>();
   float* cvs = cache_v.data_ptr<float>();
-  for (int64_t bi = 0; bi < b; ++bi) {
-    for (int64_t ti = 0; ti < t; ++ti)  // the slots first: a check must not throw inside a parallel region
-      TORCH_CHECK(slot[bi * t + ti] >= 0 && slot[bi * t + ti] < cache_k.size(2), "rope_write: slot out of range");
-  }
+  // The slots first: a check must not throw inside a parallel region.
+  for (int64_t r = 0; r < b * t; ++r) TORCH_CHECK(slot[r] >= 0 && slot[r] < cache_k.size(2), "rope_write: slot out of range");
   at::parallel_for(0, b * t, kParallelRows, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {  // r = bi * t + ti, the row of token ti of sequence bi
       const int64_t bi = r / t, ti = r % t;
-      const float* c = cs + (bi * t + ti) * d;
-      const float* s = sn + (bi * t + ti) * d;
-      const int64_t at = slot[bi * t + ti];
+      const float* c = cs + r * d;
+      const float* s = sn + r * d;
+      const int64_t at = slot[r];
       for (int64_t h = 0; h < all_heads; ++h) {
-        const float* x = xs + ((bi * t + ti) * all_heads + h) * d;
+        const float* x = xs + (r * all_heads + h) * d;
         float* o = h < heads ? qs + ((bi * heads + h) * t + ti) * d
                              : ks + bi * cache_k.stride(0) + (h - heads) * cache_k.stride(1) + at * cache_k.stride(2);
         for (int64_t i = 0; i < half; ++i) {
@@ -605,7 +603,7 @@ at::Tensor rope_write(at::Tensor qk, at::Tensor v, at::Tensor cos, at::Tensor si
         }
       }
       for (int64_t h = 0; h < kv_heads; ++h) {
-        const float* x = vs + ((bi * t + ti) * kv_heads + h) * d;
+        const float* x = vs + (r * kv_heads + h) * d;
         float* o = cvs + bi * cache_v.stride(0) + h * cache_v.stride(1) + at * cache_v.stride(2);
         std::copy(x, x + d, o);
       }
