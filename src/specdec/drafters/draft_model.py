@@ -55,7 +55,7 @@ from specdec.drafters.base import Proposal, check_k, common_prefix_length, draft
 from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
 from specdec.models.transformer import Transformer
-from specdec.sampling import SamplingParams, make_generator, process_logits, sample
+from specdec.sampling import SamplingParams, greedy_tokens, make_generator, process_logits, sample
 
 # Padding differences seen in practice are up to 128 ids (e.g. Qwen2.5 sizes); llama.cpp uses the
 # same bound for its draft-model check.
@@ -154,7 +154,7 @@ class DraftModelDrafter:
         if self._sampling.greedy:
             if self.draft_p_min > 0 and float(logits.softmax(-1).max()) < self.draft_p_min:
                 return None, None
-            return int(logits.argmax()), None
+            return greedy_tokens(logits[None])[0], None
         q = process_logits(logits, self._sampling)  # [target_vocab]
         if self.draft_p_min > 0 and float(q.max()) < self.draft_p_min:
             return None, None

@@ -52,7 +52,7 @@ from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
 from specdec.models.quant import linear_rows
 from specdec.models.transformer import Block, ModelConfig, Transformer, rope_tables, soft_cap
-from specdec.sampling import SamplingParams, make_generator, process_logits, sample
+from specdec.sampling import SamplingParams, greedy_tokens, make_generator, process_logits, sample
 from specdec.verify import TokenTree
 
 FORMAT = "specdec-eagle"
@@ -485,7 +485,7 @@ class EagleDrafter:
         if self._sampling.greedy:
             if self.draft_p_min > 0 and float(logits.softmax(-1).max()) < self.draft_p_min:
                 return None, None
-            return int(self.model.d2t[int(logits.argmax())]), None
+            return int(self.model.d2t[greedy_tokens(logits[None])[0]]), None
         q_sub = process_logits(logits, self._sampling)  # [Vd]
         if self.draft_p_min > 0 and float(q_sub.max()) < self.draft_p_min:
             return None, None
