@@ -42,6 +42,41 @@ def test_cache_decode_and_truncate_across_window(tmp_path, family):
     assert torch.allclose(again[0], full[0, 18:30], atol=1e-4)
 
 
+@pytest.mark.parametrize("family,quantize,length", [("gemma3", False, 70), ("llama", False, 20), ("gemma3", True, 70)])
+def test_prefill_last_layer_for_the_last_rows(tmp_path, family, quantize, length):
+    # A prefill's logits come from its last rows computed by themselves in the last layer, with or
+    # without every other row's hidden state: the same bits either way, the same cache, and the
+    # full forward's values to rounding. (70 tokens: SDPA's long-block path for the other rows.)
+    from specdec.models.quant import cpu_int8_available, quantize_model
+
+    if quantize and not cpu_int8_available():
+        pytest.skip("needs PyTorch's fbgemm CPU backend")
+    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, family)
+    model, _ = loader.load(folder, torch.float32, "cpu")
+    if quantize:
+        quantize_model(model, "int8")
+    ids = torch.randint(0, 97, (1, length), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(length)[None]
+    runs = {}
+    with torch.inference_mode():
+        for name, kwargs in (("all", {}), ("last2", {"last_n": 2}), ("last2_alone", {"last_n": 2, "need_hidden": False})):
+            cache = model.new_cache(1, length + 4)
+            logits, hidden = model(ids, pos, cache, **kwargs)
+            runs[name] = logits, hidden, cache
+    full_logits, full_hidden, full_cache = runs["all"]
+    logits, hidden, cache = runs["last2"]
+    alone_logits, alone_hidden, alone_cache = runs["last2_alone"]
+    assert hidden.shape == full_hidden.shape and alone_hidden.shape[1] == 2
+    assert torch.equal(logits, alone_logits) and torch.equal(hidden[:, -2:], alone_hidden)
+    assert torch.equal(hidden[:, :-2], full_hidden[:, :-2])  # the other rows as a full pass has them
+    torch.testing.assert_close(logits, full_logits[:, -2:], atol=1e-4, rtol=1e-4)
+    for layer in range(model.config.num_layers):
+        assert torch.equal(alone_cache.keys[layer], full_cache.keys[layer])
+        assert torch.equal(alone_cache.values[layer], full_cache.values[layer])
+        assert torch.equal(cache.keys[layer], full_cache.keys[layer])
+    assert alone_cache.lengths.tolist() == full_cache.lengths.tolist() == [length]
+
+
 def test_bad_model_paths(tmp_path):
     from specdec.errors import ModelLoadError
 

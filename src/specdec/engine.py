@@ -392,11 +392,13 @@ class Engine:
         room = self.draft_tree.budget if self.draft_tree is not None else self.k
         cache = self.model.new_cache(1, len(ids) + max_new_tokens + room + 1)
         tokens = torch.tensor([ids], device=self.device)
-        logits, hidden = self.model(tokens, torch.arange(len(ids), device=self.device)[None], cache, last_n=1)
-        stats.target_forwards += 1
         # Learned drafters (EAGLE-style) read the target's own features: they get the final hidden
-        # state of every token the target's cache now holds, in order (`observe`, optional).
+        # state of every token the target's cache now holds, in order (`observe`, optional). Without
+        # one, the prefill's last layer runs for the last token only (`Transformer.forward`).
         observe = getattr(drafter, "observe", None) if drafter is not None else None
+        logits, hidden = self.model(tokens, torch.arange(len(ids), device=self.device)[None], cache, last_n=1,
+                                    need_hidden=observe is not None)
+        stats.target_forwards += 1
         first = self._pick(logits[0], sampling, generator)
         stats.prefill_s = time.perf_counter() - start
         steps.append(Step([], first, "prefill", 0))

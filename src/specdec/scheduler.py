@@ -508,7 +508,7 @@ class BatchScheduler:
         view = self.cache.rows(row + 1, row)
         tokens = torch.tensor([ids], device=self._device)  # [1, P]
         positions = torch.arange(len(ids), device=self._device)[None]  # [1, P]
-        logits, _ = self.model(tokens, positions, view, last_n=1)  # [1, 1, vocab]
+        logits, _ = self.model(tokens, positions, view, last_n=1, need_hidden=False)  # [1, 1, vocab]
         seq.stats.target_forwards += 1
         self.counters.prompt_tokens += len(ids)
         first = Engine._pick(logits[0], seq.request.sampling, seq.generator)

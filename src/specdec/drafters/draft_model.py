@@ -205,7 +205,7 @@ class DraftModelDrafter:
         # only make the draft worse, never the output wrong (verification decides).
         ids = torch.tensor([[t if t < vocab else 0 for t in new]], device=self.device)  # [1, T]
         positions = torch.arange(start, start + len(new), device=self.device)[None]  # [1, T]
-        logits, _ = self.model(ids, positions, self._cache, last_n=1)
+        logits, _ = self.model(ids, positions, self._cache, last_n=1, need_hidden=False)
         self._tokens.extend(new)
         return self._to_target_vocab(logits[0, -1])
 

@@ -223,6 +223,7 @@ class Attention(nn.Module):
         layer: int,
         slots: Tensor,  # [batch, T] where the new keys go
         visible: Tensor,  # [batch, 1, T, S] bool: which of the first S slots each query sees
+        keep: int | None = None,  # attend for the last `keep` rows only (all rows' keys are cached)
     ) -> Tensor:
         b, t, _ = x.shape
         qk, v = self.project(x)
@@ -240,6 +241,8 @@ class Attention(nn.Module):
             qk = rotate(qk.transpose(1, 2), cos, sin)  # [b, heads + kv_heads, T, d]
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             cache.write(layer, k, v.transpose(1, 2), slots)
+        if keep is not None:
+            q, visible, t = q[:, :, t - keep :], visible[:, :, t - keep :], keep
         if kernels is not None and t <= ROW_ATTENTION_MAX_T:
             # Decode and verify blocks: each query row by itself, so a verify row is bit-identical to
             # the one-token step it stands for (cpu_kernels.cpp, `attention`), and ~5x faster here.
@@ -335,8 +338,12 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def forward(self, x, cos, sin, cache, layer, slots, visible):
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, visible)
+    def forward(self, x, cos, sin, cache, layer, slots, visible, keep: int | None = None):
+        """x [batch, T, hidden] -> [batch, T, hidden], or the last `keep` rows only: every row's key
+        and value still go to the cache, but only those rows attend and pass through the MLP."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, visible, keep)
+        if keep is not None:
+            x = x[:, x.shape[1] - keep :]
         if self.sandwich:
             x, h = residual_norm(x, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
             return residual_norm(x, self.mlp(h), self.post_feedforward_layernorm, None)[0]
@@ -398,12 +405,21 @@ class Transformer(nn.Module):
         cache: KVCache,
         mask: Tensor | None = None,  # [batch, T, T] bool among the new tokens; None = causal
         last_n: int | None = None,  # compute logits for the last n new tokens only
+        need_hidden: bool = True,  # False: `hidden` holds the last n rows only (with 0 < last_n < T)
     ) -> tuple[Tensor, Tensor]:
         """Returns (logits [batch, n, vocab] float32, hidden [batch, T, hidden]) with n = last_n or T.
 
         `hidden` is the final-normed hidden state (what the output head reads), for learned drafters.
         `last_n=0` skips the output head: a caller that needs logits at chosen positions only (the
         batch scheduler, whose padded rows need none at their padding) applies `head` to them.
+
+        With 0 < last_n < T (a prefill), the last layer computes the last n rows by themselves: the
+        earlier rows' keys and values still enter the cache, but only those rows attend and pass the
+        MLP. A caller that needs no other row's hidden state (`need_hidden=False`: plain decoding and
+        the lookup drafters) skips the rest of the last layer, ~5% of a long prefill; one that does
+        (a learned drafter) also gets every row computed as usual. Either way the logits, and the
+        last n rows of `hidden`, come from that same computation, so the first token does not depend
+        on the drafter (a rounding difference between the two ways could flip a near-tie).
         """
         cfg = self.config
         b, t = tokens.shape
@@ -420,16 +436,26 @@ class Transformer(nn.Module):
             # Cast the scale to the activation dtype first, as the reference implementations do.
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         rope = [rope_tables(positions, getattr(self, f"inv_freq_{i}")) for i in range(len(self._rope_specs))]
+        split = last_n is not None and 0 < last_n < t
+        earlier = None  # with `split` and need_hidden: the last layer's output for the other rows
         for layer, block in enumerate(self.layers):
             cos, sin = rope[self._rope_of_layer[layer]]
             visible = visible_full if cfg.layer_window[layer] is None else visible_local[cfg.layer_window[layer]]
-            x = block(x, cos, sin, cache, layer, slots, visible)
+            if split and layer == len(self.layers) - 1:
+                if need_hidden:
+                    earlier = block(x, cos, sin, cache, layer, slots, visible)[:, : t - last_n]
+                x = block(x, cos, sin, cache, layer, slots, visible, keep=last_n)
+            else:
+                x = block(x, cos, sin, cache, layer, slots, visible)
         cache.lengths += t
         hidden = self.norm(x)
         if last_n == 0:  # no head call at all: an int8 head would still score its guard row
             return hidden.new_empty(b, 0, cfg.vocab_size, dtype=torch.float32), hidden
-        head_in = hidden if last_n is None else hidden[:, hidden.shape[1] - last_n :]
-        return self.head(head_in), hidden
+        head_in = hidden if last_n is None or split else hidden[:, hidden.shape[1] - last_n :]
+        logits = self.head(head_in)
+        if earlier is not None:
+            hidden = torch.cat((self.norm(earlier), hidden), dim=1)
+        return logits, hidden
 
     def head(self, hidden: Tensor) -> Tensor:
         """Final-normed hidden states [..., hidden] -> float32 logits [..., vocab] (soft-capped if set)."""
