@@ -74,6 +74,7 @@ def test_prefill_last_layer_for_the_last_rows(tmp_path, family, quantize, length
         assert torch.equal(alone_cache.keys[layer], full_cache.keys[layer])
         assert torch.equal(alone_cache.values[layer], full_cache.values[layer])
         assert torch.equal(cache.keys[layer], full_cache.keys[layer])
+        assert torch.equal(cache.values[layer], full_cache.values[layer])
     assert alone_cache.lengths.tolist() == full_cache.lengths.tolist() == [length]
 
 

@@ -462,7 +462,7 @@ class Transformer(nn.Module):
         hidden = self.norm(x)
         if last_n == 0:  # no head call at all: an int8 head would still score its guard row
             return hidden.new_empty(b, 0, cfg.vocab_size, dtype=torch.float32), hidden
-        head_in = hidden if last_n is None or split else hidden[:, hidden.shape[1] - last_n :]
+        head_in = hidden if last_n is None else hidden[:, hidden.shape[1] - last_n :]  # (split: all of it)
         logits = self.head(head_in)
         if earlier is not None:
             hidden = torch.cat((self.norm(earlier), hidden), dim=1)
