@@ -151,7 +151,7 @@ def test_blocked_attention_equals_one_sdpa_call():
     sequence's rows padded on the left, so they see nothing before their start)."""
     import torch.nn.functional as F
 
-    from specdec.models.transformer import ATTENTION_QUERY_BLOCK, blocked_attention
+    from specdec.models.transformer import ATTENTION_QUERY_BLOCK, blocked_attention, query_blocks
 
     g = torch.Generator().manual_seed(0)
     t = 2 * ATTENTION_QUERY_BLOCK + 45
@@ -165,5 +165,5 @@ def test_blocked_attention_equals_one_sdpa_call():
     for first, second in ((causal, causal), (window, window), (window, causal), (causal, window)):
         visible = torch.stack([first, second & late_start])[:, None]  # the union of what they see counts
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.25, enable_gqa=True)
-        out = blocked_attention(q, k, v, visible, 0.25, True)
+        out = blocked_attention(q, k, v, query_blocks(visible, q.dtype), 0.25, True)
         assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5, rtol=1e-5)

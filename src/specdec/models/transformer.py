@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -224,6 +225,7 @@ class Attention(nn.Module):
         slots: Tensor,  # [batch, T] where the new keys go
         visible: Tensor,  # [batch, 1, T, S] bool: which of the first S slots each query sees
         keep: int | None = None,  # attend for the last `keep` rows only (all rows' keys are cached)
+        plan: QueryBlocks | None = None,  # `query_blocks(visible)` where the caller has it
     ) -> Tensor:
         b, t, _ = x.shape
         qk, v = self.project(x)
@@ -242,45 +244,65 @@ class Attention(nn.Module):
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             cache.write(layer, k, v.transpose(1, 2), slots)
         if keep is not None:
-            q, visible, t = q[:, :, t - keep :], visible[:, :, t - keep :], keep
+            q, visible, t, plan = q[:, :, t - keep :], visible[:, :, t - keep :], keep, None
         if kernels is not None and t <= ROW_ATTENTION_MAX_T:
             # Decode and verify blocks: each query row by itself, so a verify row is bit-identical to
             # the one-token step it stands for (cpu_kernels.cpp, `attention`), and ~5x faster here.
             out = kernels.attention(q, cache.keys[layer], cache.values[layer], visible, self.scale)
             return self.o_proj(out)
         span = visible.shape[-1]
-        out = blocked_attention(q, cache.keys[layer][:, :, :span], cache.values[layer][:, :, :span], visible,
-                                self.scale, self.heads != self.kv_heads)
+        out = blocked_attention(q, cache.keys[layer][:, :, :span], cache.values[layer][:, :, :span],
+                                plan or query_blocks(visible, q.dtype), self.scale, self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
 ATTENTION_QUERY_BLOCK = 128  # query rows per SDPA call of a long block (a prefill)
 
 
-def blocked_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scale: float, gqa: bool) -> Tensor:
-    """SDPA of a long block of queries, ATTENTION_QUERY_BLOCK rows at a time, each over only the key
-    slots its rows can see at all.
+class QueryBlocks(NamedTuple):
+    """A long block's SDPA plan for one visibility mask: its query rows, ATTENTION_QUERY_BLOCK at a
+    time, each with the key slots [lo, hi) that its rows can see at all and their additive mask."""
 
-    q: [b, H, T, d]; keys, values: [b, KV, S, d]; visible: [b, 1, T, S] bool -> [b, H, T, d]. A
-    causal prefill then skips the keys after each block, and a sliding-window layer also the keys
-    before its window: a 693-token prefill of the default model spends ~30% less time in attention
-    (BENCHMARKS.md, 2026-12-05). Leaving out slots that no row of the block sees changes no
-    softmax, only the order of float sums, so the output agrees with one SDPA call to rounding.
-    """
-    t = q.shape[2]
+    rows: list[slice]
+    spans: list[tuple[int, int]]
+    masks: list[Tensor]  # [b, 1, rows, hi - lo] float: 0 where visible, -inf elsewhere
+
+
+def query_blocks(visible: Tensor, dtype: torch.dtype) -> QueryBlocks:
+    """The plan of `blocked_attention` for `visible` [b, 1, T, S] bool. It depends on the mask
+    only, so a forward makes it once per mask and all its layers with that mask share it (a
+    700-token prefill of the default model spent ~4% of its time remaking it layer by layer)."""
+    t = visible.shape[2]
     if t <= ATTENTION_QUERY_BLOCK:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=additive_mask(visible, q.dtype), scale=scale,
-                                              enable_gqa=gqa)
+        return QueryBlocks([slice(0, t)], [(0, visible.shape[3])], [additive_mask(visible, dtype)])
     seen = visible.any(dim=0)[0]  # [T, S]: a slot any sequence's row sees
-    outs = []
+    plan = QueryBlocks([], [], [])
     for start in range(0, t, ATTENTION_QUERY_BLOCK):
         rows = slice(start, min(t, start + ATTENTION_QUERY_BLOCK))
         cols = seen[rows].any(dim=0).nonzero()
         lo, hi = (int(cols[0]), int(cols[-1]) + 1) if len(cols) else (0, seen.shape[1])
-        outs.append(F.scaled_dot_product_attention(
-            q[:, :, rows], keys[:, :, lo:hi], values[:, :, lo:hi],
-            attn_mask=additive_mask(visible[:, :, rows, lo:hi], q.dtype), scale=scale, enable_gqa=gqa))
-    return torch.cat(outs, dim=2)
+        plan.rows.append(rows)
+        plan.spans.append((lo, hi))
+        plan.masks.append(additive_mask(visible[:, :, rows, lo:hi], dtype))
+    return plan
+
+
+def blocked_attention(q: Tensor, keys: Tensor, values: Tensor, plan: QueryBlocks, scale: float, gqa: bool) -> Tensor:
+    """SDPA of a long block of queries, ATTENTION_QUERY_BLOCK rows at a time, each over only the key
+    slots its rows can see at all (`plan`, from `query_blocks`).
+
+    q: [b, H, T, d]; keys, values: [b, KV, S, d] -> [b, H, T, d]. A causal prefill then skips the
+    keys after each block, and a sliding-window layer also the keys before its window: a 693-token
+    prefill of the default model spends ~30% less time in attention (BENCHMARKS.md, 2026-12-05).
+    Leaving out slots that no row of the block sees changes no softmax, only the order of float
+    sums, so the output agrees with one SDPA call to rounding.
+    """
+    outs = [
+        F.scaled_dot_product_attention(q[:, :, rows], keys[:, :, lo:hi], values[:, :, lo:hi], attn_mask=mask,
+                                       scale=scale, enable_gqa=gqa)
+        for rows, (lo, hi), mask in zip(plan.rows, plan.spans, plan.masks)
+    ]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def additive_mask(visible: Tensor, dtype: torch.dtype) -> Tensor:
@@ -349,10 +371,11 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def forward(self, x, cos, sin, cache, layer, slots, visible, keep: int | None = None):
+    def forward(self, x, cos, sin, cache, layer, slots, visible, keep: int | None = None, plan=None):
         """x [batch, T, hidden] -> [batch, T, hidden], or the last `keep` rows only: every row's key
-        and value still go to the cache, but only those rows attend and pass through the MLP."""
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, visible, keep)
+        and value still go to the cache, but only those rows attend and pass through the MLP.
+        `plan`: `visible`'s `query_blocks` where the caller made it (long blocks)."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, visible, keep, plan)
         if keep is not None:
             x = x[:, x.shape[1] - keep :]
         if self.sandwich:
@@ -449,15 +472,20 @@ class Transformer(nn.Module):
         rope = [rope_tables(positions, getattr(self, f"inv_freq_{i}")) for i in range(len(self._rope_specs))]
         split = last_n is not None and 0 < last_n < t
         earlier = None  # with `split` and need_hidden: the last layer's output for the other rows
+        plans = {}  # window -> the SDPA plan of a long block's mask, made once for all its layers
         for layer, block in enumerate(self.layers):
             cos, sin = rope[self._rope_of_layer[layer]]
-            visible = visible_full if cfg.layer_window[layer] is None else visible_local[cfg.layer_window[layer]]
+            window = cfg.layer_window[layer]
+            visible = visible_full if window is None else visible_local[window]
+            if (t > ROW_ATTENTION_MAX_T or compiled_kernels(x) is None) and window not in plans:
+                plans[window] = query_blocks(visible, x.dtype)  # (the row kernel needs none)
+            plan = plans.get(window)
             if split and layer == len(self.layers) - 1:
                 if need_hidden:
-                    earlier = block(x, cos, sin, cache, layer, slots, visible)[:, : t - last_n]
+                    earlier = block(x, cos, sin, cache, layer, slots, visible, plan=plan)[:, : t - last_n]
                 x = block(x, cos, sin, cache, layer, slots, visible, keep=last_n)
             else:
-                x = block(x, cos, sin, cache, layer, slots, visible)
+                x = block(x, cos, sin, cache, layer, slots, visible, plan=plan)
         cache.lengths += t
         hidden = self.norm(x)
         if last_n == 0:  # no head call at all: an int8 head would still score its guard row
