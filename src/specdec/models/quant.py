@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import cpu_kernels
+from .layer import Layer
 
 QUANT_MODES = ("none", "int8")
 _LEVELS = 63  # activation grid per plane: integers in [-63, 63] (7-bit, see the module doc)
@@ -85,7 +86,7 @@ def quantize_rows(weight, scratch: Tensor | None = None) -> tuple[Tensor, Tensor
     return q, scale
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(Layer):
     """y = x @ W.T (+ b) with int8 W per output channel and x on a per-row integer grid (module doc)."""
 
     def __init__(self, weight, bias: Tensor | None = None):  # weight: [N, K] (see `quantize_rows`)
@@ -228,7 +229,7 @@ def linear_rows(linear: nn.Module, ids: Tensor) -> Tensor:
     return linear.weight.detach()[ids]
 
 
-class Int8Embedding(nn.Module):
+class Int8Embedding(Layer):
     """Embedding rows stored as int8 with a per-row scale, dequantised on lookup."""
 
     def __init__(self, q: Tensor, scale: Tensor):  # q: [vocab, hidden] int8; scale: [vocab]

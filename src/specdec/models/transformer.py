@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from . import cpu_kernels
 from .kv_cache import KVCache
+from .layer import Layer
 
 
 @dataclass(frozen=True)
@@ -103,19 +104,27 @@ def inference_constant(owner: nn.Module, name: str, sources: tuple[Tensor, ...],
 
     Decoding runs a layer's small derived tensors (norm scales) hundreds of times a token, and on a
     CPU every op costs microseconds of dispatch; outside inference mode (training) it recomputes so
-    gradients flow. A source replaced or changed in place (new storage or version) recomputes it;
-    inference tensors have no version counter, so for them only a new storage does.
+    gradients flow. A source replaced (another tensor object) or changed in place (its version
+    counter moved) recomputes it; inference tensors have no version counter, so for them only a
+    replacement does. The check is kept to identities and counters: it runs ~100 times a step.
     """
     if not torch.is_inference_mode_enabled():
         return compute()
-    key = [(t.data_ptr(), -1 if t.is_inference() else t._version) for t in sources]  # a list: cheaper to build
     memo = owner.__dict__.get(name)
-    if memo is None or memo[0] != key:
-        memo = owner.__dict__[name] = (key, compute())
-    return memo[1]
+    if memo is not None:
+        held, versions, value = memo
+        if all(a is b for a, b in zip(held, sources)) and versions == _versions(sources):
+            return value
+    value = compute()
+    owner.__dict__[name] = (sources, _versions(sources), value)
+    return value
 
 
-class RMSNorm(nn.Module):
+def _versions(tensors: tuple[Tensor, ...]) -> tuple[int, ...]:
+    return tuple(-1 if t.is_inference() else t._version for t in tensors)
+
+
+class RMSNorm(Layer):
     def __init__(self, dim: int, eps: float, offset: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
@@ -175,7 +184,7 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(Layer):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
@@ -204,15 +213,14 @@ class Attention(nn.Module):
             qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
         else:
             qkv = self.qkv_proj(x)
-        qkv = qkv.view(b, t, -1, self.head_dim)
-        return qkv[:, :, : self.heads + self.kv_heads], qkv[:, :, self.heads + self.kv_heads :]
+        qk, v = qkv.view(b, t, -1, self.head_dim).split((self.heads + self.kv_heads, self.kv_heads), dim=2)
+        return qk, v
 
     def qk_scale(self) -> Tensor:
         """The q and k norms' factors stacked per head: [heads + kv_heads, head_dim]."""
-        q, k = self.q_norm.scale(), self.k_norm.scale()
         return inference_constant(
-            self, "_qk_scale", (q, k),
-            lambda: torch.cat((q.expand(self.heads, -1), k.expand(self.kv_heads, -1))),
+            self, "_qk_scale", (self.q_norm.weight, self.k_norm.weight),
+            lambda: torch.cat((self.q_norm.scale().expand(self.heads, -1), self.k_norm.scale().expand(self.kv_heads, -1))),
         )
 
     def forward(
@@ -315,7 +323,7 @@ def additive_mask(visible: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-class MLP(nn.Module):
+class MLP(Layer):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -357,7 +365,7 @@ def _fused_linear(*parts: nn.Module) -> nn.Module:
     return fused
 
 
-class Block(nn.Module):
+class Block(Layer):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_offset)  # noqa: E731
@@ -398,7 +406,7 @@ def residual_norm(x: Tensor, y: Tensor, norm_y: RMSNorm | None, norm_out: RMSNor
     return x, (None if norm_out is None else norm_out(x))
 
 
-class Transformer(nn.Module):
+class Transformer(Layer):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
