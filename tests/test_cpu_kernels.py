@@ -133,13 +133,20 @@ def test_model_uses_kernels_under_inference_only_and_matches(kernels, tmp_path, 
     model.fuse_projections()
     compiled, _ = model(ids, torch.arange(20)[None], model.new_cache(1, 32))
     layers = model.config.num_layers
-    # A layer: its input norm and q/k norm, rotation with the cache write, attention (20 new tokens
-    # is a short block), two residual steps and the MLP's activation; then the final norm.
-    assert calls == {"rms_norm": 2 * layers + 1, "rope_write": layers, "attention": layers,
-                     "residual_norm": 2 * layers, "gated_activation": layers}
+    # 20 new tokens is a short block (decode, verify): each layer in one call, then the final norm.
+    assert calls == {"decoder_layer": layers, "rms_norm": 1}
+    calls.clear()
+    long_ids = torch.arange(40)[None]
+    compiled_long, _ = model(long_ids, torch.arange(40)[None], model.new_cache(1, 48))
+    # A long block (a prefill), module by module: a layer's input norm and q/k norm, rotation with
+    # the cache write, two residual steps and the MLP's activation (attention is SDPA's).
+    assert calls == {"rms_norm": 2 * layers + 1, "rope_write": layers, "residual_norm": 2 * layers,
+                     "gated_activation": layers}
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     reference, _ = model(ids, torch.arange(20)[None], model.new_cache(1, 32))
     torch.testing.assert_close(compiled, reference, atol=1e-4, rtol=1e-4)
+    reference_long, _ = model(long_ids, torch.arange(40)[None], model.new_cache(1, 48))
+    torch.testing.assert_close(compiled_long, reference_long, atol=1e-4, rtol=1e-4)
     # Training keeps autograd's ops (the kernels have no backward).
     norm = RMSNorm(8, 1e-6, 1.0)
     x = torch.randn(3, 8, requires_grad=True)

@@ -78,6 +78,67 @@ def test_prefill_last_layer_for_the_last_rows(tmp_path, family, quantize, length
     assert alone_cache.lengths.tolist() == full_cache.lengths.tolist() == [length]
 
 
+@pytest.mark.parametrize("family,quantize", [("gemma3", True), ("llama", True), ("qwen2", True), ("gemma3", False)])
+def test_decoder_layer_kernel_equals_the_modules(tmp_path, monkeypatch, family, quantize):
+    # Decode and verify blocks run each decoder layer in one compiled call (`decoder_layer`); it must
+    # give the bits of the modules run one by one: logits, hidden states and the cache, for one
+    # and five new tokens after a prefill, two sequences at once. Gemma 3 has sandwich and q/k
+    # norms and a window, Qwen2 a q/k/v bias; the float case has its projections fused too.
+    from specdec.models import cpu_kernels
+    from specdec.models.quant import cpu_int8_available, quantize_model
+    from specdec.models.transformer import Block
+
+    if cpu_kernels.load() is None or (quantize and not cpu_int8_available()):
+        pytest.skip("needs the compiled CPU kernels and PyTorch's fbgemm CPU backend")
+    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, family)
+    model, _ = loader.load(folder, torch.float32, "cpu")
+    if quantize:
+        quantize_model(model, "int8")
+    else:
+        model.fuse_projections()
+    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(5))
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        with torch.inference_mode():
+            cache = model.new_cache(2, 40)
+            model(ids[:, :20], torch.arange(20).expand(2, -1), cache, last_n=1)
+            for t in (1, 5):
+                cache.truncate(20)
+                logits, hidden = model(ids[:, 20 : 20 + t], torch.arange(20, 20 + t).expand(2, -1), cache)
+                out += [logits, hidden] + [c[:, :, : 20 + t].clone() for c in cache.keys + cache.values]
+        return out
+
+    fused_calls = []
+    monkeypatch.setattr(cpu_kernels.load(), "decoder_layer", _counting(cpu_kernels.load().decoder_layer, fused_calls),
+                        raising=False)
+    fused = run()
+    # Every layer of both blocks, and of the 20-token prefill (short enough for the row attention):
+    # its last layer runs all rows for the hidden states, then the last row by itself (`keep`,
+    # module by module).
+    assert len(fused_calls) == 3 * model.config.num_layers
+    weight = model.layers[1].input_layernorm.weight
+    before = weight.detach().clone()
+    with torch.no_grad():  # a norm changed in place after the layers remembered their arguments
+        weight.add_(0.25)
+    fused_after = run()
+    monkeypatch.setattr(Block, "_kernel_parts", lambda self, cache_keys: None)
+    modules_after = run()
+    assert all(torch.equal(a, b) for a, b in zip(fused_after, modules_after))
+    with torch.no_grad():
+        weight.copy_(before)
+    modules = run()
+    assert all(torch.equal(a, b) for a, b in zip(fused, modules))
+    assert not torch.equal(fused[0], fused_after[0])
+
+
+def _counting(fn, calls: list):
+    def wrapped(*args):
+        calls.append(1)
+        return fn(*args)
+    return wrapped
+
+
 def test_bad_model_paths(tmp_path):
     from specdec.errors import ModelLoadError
 

@@ -4,7 +4,8 @@ A decoding step on a small model is mostly dispatch: Gemma 3 270M's int8 step ra
 and on this project's 2-core CPU the int8 input preparation and the RMSNorms alone cost ~14 ms of a
 ~35 ms step. The C++ file does the same row-by-row math in one call per op: Int8Linear's input
 planes and rescaling (and chosen output columns alone), RMSNorm, a block's residual step with its norms, the rotary embedding with
-the cache write, and the gated MLP activation (measured here: an int8 step from ~37 to ~24 ms). It
+the cache write, and the gated MLP activation (measured here: an int8 step from ~37 to ~24 ms), and
+a decode or verify block's whole decoder layer in one call of those (`decoder_layer`). It
 is compiled with PyTorch's own extension builder into the specdec cache (`SPECDEC_CACHE`, default
 ~/.cache/specdec/kernels; ~20 s the first time, then a load of milliseconds).
 

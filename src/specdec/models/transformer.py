@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from . import cpu_kernels
 from .kv_cache import KVCache
 from .layer import Layer
+from .quant import Int8Linear
 
 
 @dataclass(frozen=True)
@@ -383,6 +384,11 @@ class Block(Layer):
         """x [batch, T, hidden] -> [batch, T, hidden], or the last `keep` rows only: every row's key
         and value still go to the cache, but only those rows attend and pass through the MLP.
         `plan`: `visible`'s `query_blocks` where the caller made it (long blocks)."""
+        if keep is None and x.shape[1] <= ROW_ATTENTION_MAX_T:
+            kernels = compiled_kernels(x)
+            parts = None if kernels is None else self._kernel_parts(cache.keys[layer])
+            if parts is not None:  # decode and verify blocks: the whole block in one compiled call
+                return kernels.decoder_layer(x, *parts, cos, sin, cache.keys[layer], cache.values[layer], slots, visible)
         attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, visible, keep, plan)
         if keep is not None:
             x = x[:, x.shape[1] - keep :]
@@ -391,6 +397,79 @@ class Block(Layer):
             return residual_norm(x, self.mlp(h), self.post_feedforward_layernorm, None)[0]
         x, h = residual_norm(x, attn, None, self.post_attention_layernorm)
         return x + self.mlp(h)
+
+    def _kernel_parts(self, cache_keys: Tensor) -> tuple | None:
+        """The arguments of `cpu_kernels.decoder_layer` after x (its weights in its `LayerPart`
+        order, sizes, eps, qk eps, score scale, GELU or SiLU), or None where this block's forward
+        would not take the compiled kernels all the way (unfused projections, a cache of another
+        dtype): there the modules run one by one as usual.
+
+        Remembered while this block holds the same modules, they hold the same weight tensors and
+        the norms' weights have not changed in place (version counters): the projections' values
+        may change in place, as the kernel reads them as they are. The check reads the module
+        dicts directly: nn.Module's attribute lookup costs ~1-2 us here, and building the arguments
+        through it ~40 us a layer, ~0.8 ms of a ~14 ms step.
+        """
+        if cache_keys.dtype != torch.float32:
+            return None
+        modules, norm_weights = self._kernel_key()
+        memo = self.__dict__.get("_kernel_memo")
+        if (memo is None or len(memo[0]) != len(modules) or not all(a is b for a, b in zip(memo[0], modules))
+                or memo[1] != _versions(norm_weights)):
+            memo = self.__dict__["_kernel_memo"] = (modules, _versions(norm_weights), self._make_kernel_parts())
+        return memo[2]
+
+    def _make_kernel_parts(self) -> tuple | None:
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(map(_compiled_projection, projections)):
+            return None
+        weights = [self.input_layernorm.scale(), attn.qk_scale() if attn.qk_norm else None]
+        if self.sandwich:
+            weights += [self.post_attention_layernorm.scale(), self.pre_feedforward_layernorm.scale(),
+                        self.post_feedforward_layernorm.scale()]
+        else:
+            weights += [None, self.post_attention_layernorm.scale(), None]
+        for proj in projections:
+            weights += [proj._q, proj._scale4, proj.bias] if isinstance(proj, Int8Linear) else [proj.weight, None, proj.bias]
+        sizes = [attn.heads, attn.kv_heads, attn.head_dim] + [proj.out_features for proj in projections]
+        qk_eps = attn.q_norm.eps if attn.qk_norm else 0.0
+        return weights, sizes, self.input_layernorm.eps, qk_eps, attn.scale, mlp.gelu
+
+    def _kernel_key(self) -> tuple[list, tuple[Tensor, ...]]:
+        """What `_kernel_parts`'s memo depends on, read through the module dicts: this block's norm
+        and projection modules with the tensors they multiply by, and the norms' weights apart
+        (their scales are copies, so an in-place change must be seen by its version counter)."""
+        mods = self._modules
+        attn, mlp = mods["self_attn"], mods["mlp"]
+        norms = [mods[n] for n in ("input_layernorm", "post_attention_layernorm") + self._sandwich_names]
+        if attn.__dict__["qk_norm"]:
+            norms += [attn._modules["q_norm"], attn._modules["k_norm"]]
+        norm_weights = tuple(m._parameters["weight"] for m in norms)
+        modules = norms + list(norm_weights)
+        for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
+            proj = owner._modules.get(name)
+            modules += [proj, _projection_weight(proj)]
+        return modules, norm_weights
+
+    @property
+    def _sandwich_names(self) -> tuple[str, ...]:
+        return ("pre_feedforward_layernorm", "post_feedforward_layernorm") if self.__dict__["sandwich"] else ()
+
+
+def _projection_weight(proj: nn.Module | None) -> Tensor | None:
+    """The tensor a projection multiplies by (int8 rows or float weight), read without nn.Module's
+    attribute lookup."""
+    if isinstance(proj, Int8Linear):
+        return proj.__dict__.get("_q")
+    return proj._parameters.get("weight") if isinstance(proj, nn.Linear) else None
+
+
+def _compiled_projection(proj: nn.Module | None) -> bool:
+    """Whether `proj` computes through the compiled kernels' `project` exactly as its forward does."""
+    if isinstance(proj, Int8Linear):
+        return proj._q is not None
+    return type(proj) is nn.Linear and proj.weight.dtype == torch.float32
 
 
 def residual_norm(x: Tensor, y: Tensor, norm_y: RMSNorm | None, norm_out: RMSNorm | None):
@@ -517,8 +596,6 @@ class Transformer(Layer):
         screen its rows with (`verify.first_proven_rejection`): a row where some screened token
         beats the draft token is a certain rejection, without the full 262k-column product.
         """
-        from .quant import Int8Linear
-
         if not isinstance(self.lm_head, Int8Linear) or self.config.final_logit_softcap:
             return None
         return self.lm_head.forward_columns(hidden, ids)
