@@ -560,12 +560,13 @@ class Transformer(Layer):
         split = last_n is not None and 0 < last_n < t
         earlier = None  # with `split` and need_hidden: the last layer's output for the other rows
         plans = {}  # window -> the SDPA plan of a long block's mask, made once for all its layers
+        uses_sdpa = t > ROW_ATTENTION_MAX_T or compiled_kernels(x) is None  # (the row kernel needs no plan)
         for layer, block in enumerate(self.layers):
             cos, sin = rope[self._rope_of_layer[layer]]
             window = cfg.layer_window[layer]
             visible = visible_full if window is None else visible_local[window]
-            if (t > ROW_ATTENTION_MAX_T or compiled_kernels(x) is None) and window not in plans:
-                plans[window] = query_blocks(visible, x.dtype)  # (the row kernel needs none)
+            if uses_sdpa and window not in plans:
+                plans[window] = query_blocks(visible, x.dtype)
             plan = plans.get(window)
             if split and layer == len(self.layers) - 1:
                 if need_hidden:
