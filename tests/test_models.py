@@ -179,19 +179,71 @@ def test_default_model_matches_transformers(default_engine_fp32):
         assert ours.token_ids == hf_out[: len(ours.token_ids)] and len(ours.token_ids) == 64
 
 
-def test_default_tokenizer_is_transformers_own_without_its_leftovers(default_engine_fp32):
-    """The tokenizer drops transformers' Python copies of the vocabulary and merges (~145 MB for
-    Gemma) and still encodes and decodes exactly as a freshly loaded transformers tokenizer."""
+def test_default_tokenizer_reads_tokenizer_json_directly_and_matches_transformers(default_engine_fp32):
+    """The default model's tokenizer is the Rust tokenizer of its tokenizer.json, read without
+    transformers (`tokenizer._rust_only`), and encodes and decodes exactly as a freshly loaded
+    transformers tokenizer of the same folder: special tokens written in the text, byte fallback,
+    whitespace runs, several scripts, and ids across the whole vocabulary."""
+    import random
+
     from transformers import AutoTokenizer
 
     ours = default_engine_fp32.tokenizer
+    assert ours._rust is not None and ours._tok is None and ours.chat_template is None
     fresh = AutoTokenizer.from_pretrained(str(loader.resolve("default")))
-    assert getattr(ours._tok, "_merges", None) is None and getattr(ours._tok, "_vocab", None) is None
-    for text in ["Question: What is a hash table?\nAnswer:", "  Übersetze: 東京は大きい 😀\n\n\tdef f(x):",
-                 "<start_of_turn>user\nhi<end_of_turn>"]:
+    rnd = random.Random(0)
+    alphabet = [chr(c) for c in [*range(32, 127), 0xE9, 0x301, 0x4E2D, 0x1F600, 0x2581, 0xA0, 9, 10]]
+    texts = ["Question: What is a hash table?\nAnswer:", "  Übersetze: 東京は大きい 😀\n\n\tdef f(x):",
+             "<start_of_turn>user\nhi<end_of_turn>", "<bos>literal<eos> <unused5><pad>", "   ", "ﬁ é é",
+             *("".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 60))) for _ in range(200))]
+    for text in texts:
         ids = ours.encode(text)
-        assert ids == fresh(text).input_ids
-        assert ours.decode(ids) == fresh.decode(ids, skip_special_tokens=True)
+        assert ids == fresh(text).input_ids, text
+        for part in (ids, ids[1:], ids[: len(ids) // 2]):
+            assert ours.decode(part) == fresh.decode(part, skip_special_tokens=True), text
+    spread = [*range(0, 262144, 101), 0, 1, 2, 3, 106, 262143]
+    assert ours.decode(spread) == fresh.decode(spread, skip_special_tokens=True)
+
+
+def test_tokenizer_route_follows_the_folder(tmp_path):
+    """tokenizer.json alone, or with a config of inert keys: the Rust tokenizer. A chat template
+    (in the config or beside it), a key transformers acts on, or a class of its own: transformers,
+    which gives the same ids for what both can read."""
+    import json
+
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from specdec.tokenizer import Tokenizer
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, 40)}}
+    raw = RustTokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>",
+                            pad_token="<pad>").save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+
+    def route(extra: dict | None = None, files: dict | None = None) -> Tokenizer:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, **(extra or {})}))
+        for name in ("chat_template.jinja",):
+            (tmp_path / name).unlink(missing_ok=True)
+        for name, text in (files or {}).items():
+            (tmp_path / name).write_text(text)
+        return Tokenizer.from_folder(tmp_path)
+
+    plain = route()
+    assert plain._rust is not None and plain.encode("w3 w4 <eos> x") == [3, 4, 2, 0]
+    assert plain.decode([1, 3, 2, 4]) == "w3 w4"
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    for extra, files in (({"chat_template": template}, None), (None, {"chat_template.jinja": template}),
+                         ({"add_bos_token": True}, None), ({"tokenizer_class": "LlamaTokenizer"}, None),
+                         ({"clean_up_tokenization_spaces": True}, None)):
+        tok = route(extra, files)
+        assert tok._tok is not None and tok._rust is None, (extra, files)
+    assert route({"chat_template": template}).encode_chat([{"role": "user", "content": "w5"}]) == [5]
+    (tmp_path / "tokenizer_config.json").unlink()
+    assert Tokenizer.from_folder(tmp_path)._rust is not None
 
 
 def test_default_gguf_tokenizer_is_transformers_config_route(tmp_path):
