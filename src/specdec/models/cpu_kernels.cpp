@@ -112,14 +112,28 @@ inline float int8_output(double sum, float c, float w_scale, const float* bias) 
 // more than the rows. Each row's result is the same either way.
 constexpr int64_t kParallelRows = 64;
 
-// x [..., k] float32 -> rows [n, kp] int16 and their c [n].
-inline void input_int16(const at::Tensor& x, int64_t kp, std::vector<int16_t>& v, std::vector<float>& c) {
+// x [..., k] float32 on the int16 grid: n rows of kp inputs at `v` and their c. The block starts on a
+// 64-byte boundary, so every row and every 16-input step starts on a 32-byte one (kp is a multiple
+// of 16): an AVX2 load of 16 inputs never straddles two cache lines. With malloc's 16-byte alignment
+// half of them did, and such a load costs two: a stand-alone loop of 3 rows by 2 weight rows ran
+// 0.96 against 1.29 multiply-adds a cycle, and the model's products of 3-9 rows (verify passes)
+// took 10-18% less time aligned (BENCHMARKS.md, 2026-12-05 night).
+struct GridRows {
+  std::vector<int16_t> storage;
+  int16_t* v = nullptr;
+  std::vector<float> c;
+};
+
+inline void input_int16(const at::Tensor& x, int64_t kp, GridRows& rows) {
   const int64_t k = x.size(-1), n = x.numel() / k;
-  v.resize(n * kp);
-  c.resize(n);
+  rows.storage.resize(n * kp + 32);
+  rows.v = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(rows.storage.data()) + 63) & ~uintptr_t{63});
+  rows.c.resize(n);
   const float* xs = x.data_ptr<float>();
+  int16_t* v = rows.v;
+  float* c = rows.c.data();
   at::parallel_for(0, n, kParallelRows, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) c[r] = row_int16(xs + r * k, k, kp, v.data() + r * kp);
+    for (int64_t r = r0; r < r1; ++r) c[r] = row_int16(xs + r * k, k, kp, v + r * kp);
   });
 }
 
@@ -281,9 +295,10 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor ws, c10::optional<
   const float* bs = optional_data(bias, b);
   auto out = empty_with_last(x, n_out);
   if (n == 0) return out;
-  std::vector<int16_t> v;
-  std::vector<float> c;
-  input_int16(x, kp, v, c);
+  GridRows grid;
+  input_int16(x, kp, grid);
+  const int16_t* v = grid.v;
+  const float* c = grid.c.data();
   const int8_t* qs = q.data_ptr<int8_t>();
   const float* wss = ws.data_ptr<float>();
   float* os = out.data_ptr<float>();
@@ -308,7 +323,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor ws, c10::optional<
           // tile two ahead (~2 x 0.5 us of multiply-adds for 9 rows: far enough to hide the latency).
           for (int64_t h = 0; h < 4 && h < valid; h += 2) {
             const int8_t* ahead = w + (8 + h) * kp;
-            direct_rows<2>(w + h * kp, v.data(), kp, m0, m1, c.data(), wss + col + h, bcol ? bcol + h : nullptr,
+            direct_rows<2>(w + h * kp, v, kp, m0, m1, c, wss + col + h, bcol ? bcol + h : nullptr,
                            os + col + h, n_out, valid - h, ahead < qs + n4 * kp ? ahead : nullptr);
           }
           continue;
@@ -319,14 +334,14 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor ws, c10::optional<
         for (int64_t i = 0; i < 4 * kp; i += 16)
           _mm256_store_si256(reinterpret_cast<__m256i*>(wide + i), widen(w + i));
         for (; m + 2 <= m1; m += 2)
-          tile<2>(wide, v.data() + m * kp, kp, c.data() + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
+          tile<2>(wide, v + m * kp, kp, c + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
         if (m < m1)
-          tile<1>(wide, v.data() + m * kp, kp, c.data() + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
+          tile<1>(wide, v + m * kp, kp, c + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
 #else
         for (int64_t m = m0; m < m1; ++m)
           for (int64_t j = 0; j < valid; ++j) {
             int64_t sum = 0;
-            const int16_t* vr = v.data() + m * kp;
+            const int16_t* vr = v + m * kp;
             for (int64_t i = 0; i < kp; ++i) sum += static_cast<int32_t>(w[j * kp + i]) * vr[i];
             os[m * n_out + col + j] = int8_output(static_cast<double>(sum), c[m], wss[col + j], bcol ? bcol + j : nullptr);
           }
@@ -359,9 +374,10 @@ at::Tensor int8_columns(at::Tensor x, at::Tensor q, at::Tensor ws, at::Tensor id
   at::Tensor b;
   const float* bs = optional_data(bias, b);
   auto out = empty_with_last(x, m);
-  std::vector<int16_t> v;
-  std::vector<float> c;
-  input_int16(x, kp, v, c);
+  GridRows grid;
+  input_int16(x, kp, grid);
+  const int16_t* v = grid.v;
+  const float* c = grid.c.data();
   const int8_t* qs = q.data_ptr<int8_t>();
   const float* wss = ws.data_ptr<float>();
   float* os = out.data_ptr<float>();
@@ -372,7 +388,7 @@ at::Tensor int8_columns(at::Tensor x, at::Tensor q, at::Tensor ws, at::Tensor id
       if (j + 1 < j1) prefetch_weights(qs + is[j + 1] * kp, kp, qs + q.size(0) * kp);  // rows gathered: no stream to detect
 #endif
       for (int64_t r = 0; r < n; ++r) {
-        const int16_t* vr = v.data() + r * kp;
+        const int16_t* vr = v + r * kp;
         double sum = 0.0;
         for (int64_t k0 = 0; k0 < kp; k0 += kBlockK) {
           const int64_t k1 = std::min(kp, k0 + kBlockK);
