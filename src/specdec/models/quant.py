@@ -79,8 +79,9 @@ def quantize_rows(weight, scratch: Tensor | None = None) -> tuple[Tensor, Tensor
             w.copy_(weight[start:stop])
         else:
             weight.read_into(start, w)
-        low, high = torch.aminmax(w, dim=1)
-        s = torch.maximum(high, low.neg_(), out=scale[start:stop])  # max |w| of each row
+        # max |w| of each row. (amax and amin apart: torch.aminmax over rows took ~11x as long
+        # here, half of an int8 load of Gemma 3 270M; the extremes are exact either way.)
+        s = torch.maximum(w.amax(dim=1), w.amin(dim=1).neg_(), out=scale[start:stop])
         s.div_(127).clamp_(min=torch.finfo(torch.float32).tiny)
         q[start:stop].copy_(w.div_(s[:, None]).round_().clamp_(-127, 127))
     return q, scale
