@@ -246,6 +246,20 @@ def test_tokenizer_route_follows_the_folder(tmp_path):
     assert Tokenizer.from_folder(tmp_path)._rust is not None
 
 
+def test_unreadable_tokenizer_is_a_load_error(tmp_path):
+    """A broken tokenizer.json, or a broken tokenizer_config.json beside a good one, is one
+    ModelLoadError naming the folder (the CLI prints it as one line), on either route."""
+    from specdec.errors import ModelLoadError
+    from specdec.tokenizer import Tokenizer
+
+    (tmp_path / "tokenizer.json").write_text('{"model": {')
+    with pytest.raises(ModelLoadError, match="cannot read its tokenizer"):
+        Tokenizer.from_folder(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": ')
+    with pytest.raises(ModelLoadError, match=str(tmp_path)):
+        Tokenizer.from_folder(tmp_path)
+
+
 def test_default_gguf_tokenizer_is_transformers_config_route(tmp_path):
     """The conversion names the tokenizer type, which spares transformers a second reading of the
     file for its config; the tokenizer saved is the one its config route builds, byte for byte."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, ModelLoadError
 
 # tokenizer_config.json keys that change nothing about encoding or decoding once tokenizer.json is
 # read (names, lengths, padding, where the folder came from). A folder whose config sets anything
@@ -61,6 +61,14 @@ class Tokenizer:
     def from_folder(cls, folder: Path) -> "Tokenizer | None":
         if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer.model").exists()):
             return None  # a weights-only folder: prompts are token ids
+        try:
+            return cls._read(folder)
+        except Exception as exc:  # the tokenizers library raises plain Exceptions for a bad file
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelLoadError(f"{folder}: cannot read its tokenizer ({reason})") from exc
+
+    @classmethod
+    def _read(cls, folder: Path) -> "Tokenizer":
         if _rust_only(folder):
             from tokenizers import Tokenizer as RustTokenizer
 
