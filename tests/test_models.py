@@ -234,11 +234,13 @@ def test_tokenizer_route_follows_the_folder(tmp_path):
 
     plain = route()
     assert plain._rust is not None and plain.encode("w3 w4 <eos> x") == [3, 4, 2, 0]
+    assert route({"extra_special_tokens": {}, "clean_up_tokenization_spaces": False})._rust is not None
     assert plain.decode([1, 3, 2, 4]) == "w3 w4"
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     for extra, files in (({"chat_template": template}, None), (None, {"chat_template.jinja": template}),
                          ({"add_bos_token": True}, None), ({"tokenizer_class": "LlamaTokenizer"}, None),
-                         ({"clean_up_tokenization_spaces": True}, None)):
+                         ({"clean_up_tokenization_spaces": True}, None),
+                         ({"additional_special_tokens": ["w7"]}, None)):
         tok = route(extra, files)
         assert tok._tok is not None and tok._rust is None, (extra, files)
     assert route({"chat_template": template}).encode_chat([{"role": "user", "content": "w5"}]) == [5]

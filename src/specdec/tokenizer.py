@@ -8,14 +8,18 @@ from pathlib import Path
 from .errors import InvalidRequestError, ModelLoadError
 
 # tokenizer_config.json keys that change nothing about encoding or decoding once tokenizer.json is
-# read (names, lengths, padding, where the folder came from). A folder whose config sets anything
-# else (add_bos_token, legacy, add_prefix_space, a chat template, ...) goes through transformers,
+# read (names, lengths, padding, where the folder came from), and keys that change nothing while
+# empty or false. A folder whose config sets anything else (add_bos_token, legacy,
+# add_prefix_space, a chat template, special tokens of its own, ...) goes through transformers,
 # which is what acts on those keys.
 _INERT_CONFIG_KEYS = frozenset({
     "backend", "bos_token", "eos_token", "pad_token", "unk_token", "mask_token", "sep_token", "cls_token",
-    "additional_special_tokens", "extra_special_tokens", "added_tokens_decoder", "is_local",
-    "local_files_only", "model_max_length", "model_input_names", "padding_side", "truncation_side",
-    "tokenizer_class", "clean_up_tokenization_spaces", "split_special_tokens",
+    "is_local", "local_files_only", "model_max_length", "model_input_names", "padding_side", "truncation_side",
+    "tokenizer_class",
+})
+_INERT_WHEN_EMPTY = frozenset({
+    "added_tokens_decoder", "additional_special_tokens", "extra_special_tokens", "clean_up_tokenization_spaces",
+    "split_special_tokens",
 })
 # Tokenizer classes whose transformers tokenizer is the Rust one of tokenizer.json as saved (checked
 # for Gemma's by tests/test_models.py, text by text against transformers).
@@ -35,8 +39,8 @@ def _rust_only(folder: Path) -> bool:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return (isinstance(config, dict) and set(config) <= _INERT_CONFIG_KEYS
-            and not config.get("clean_up_tokenization_spaces") and not config.get("split_special_tokens")
+    return (isinstance(config, dict)
+            and all(key in _INERT_CONFIG_KEYS or (key in _INERT_WHEN_EMPTY and not value) for key, value in config.items())
             and config.get("tokenizer_class", "PreTrainedTokenizerFast") in _PLAIN_CLASSES)
 
 
