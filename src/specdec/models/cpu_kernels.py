@@ -15,6 +15,7 @@ callers keep their pure-PyTorch paths, which compute the same thing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -46,6 +47,27 @@ def build_dir() -> Path:
     return cache_root() / "kernels" / hashlib.sha256(text).hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _build_guard(folder: Path):
+    """Hold this build folder for one process at a time, with a lock the system releases when its
+    holder dies. PyTorch's builder marks a build in progress with a plain file (`lock`) and makes
+    every other builder wait until it is gone, with no time limit: a process killed while compiling
+    (Ctrl-C during a first run) left it behind, and every later run waited on it forever. Under this
+    lock no other specdec process can be building here, so such a file is a leftover and goes."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: PyTorch's own file lock only
+        yield
+        return
+    with open(folder / "specdec-build.lock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 @functools.lru_cache(maxsize=None)  # one compiled library per process, like any extension module
 def load():
     """The compiled module (int8_linear, int8_columns, rms_norm, residual_norm, rope_write,
@@ -65,14 +87,15 @@ def load():
     if fresh:
         print("specdec: compiling the CPU kernels (once per machine and checkout, ~20 s)", file=sys.stderr, flush=True)
     try:
-        return cpp_extension.load(
-            name="specdec_cpu_kernels",
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
-            build_directory=str(folder),
-            verbose=False,
-        )
+        with _build_guard(folder):
+            return cpp_extension.load(
+                name="specdec_cpu_kernels",
+                sources=[str(SOURCE)],
+                extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
+                build_directory=str(folder),
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no ninja, a read-only cache: fall back, say why once
         warnings.warn(f"specdec CPU kernels unavailable, using the PyTorch path: {str(exc).splitlines()[0]}",
                       RuntimeWarning, stacklevel=2)
