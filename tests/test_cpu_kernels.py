@@ -43,7 +43,8 @@ def test_int8_linear_compiled_paths_equal_pytorch_path(kernels, out_features, in
         # and blocks of any size give the same rows.
         for i in range(len(x)):
             assert torch.equal(lin(x[i : i + 1])[0], compiled[i])
-        assert torch.equal(lin(x[3:5]), compiled[3:5])
+        for n in (2, 3, 4, 5, 6, 7):  # each pass size of a verify block (up to 6 rows a pass)
+            assert torch.equal(lin(x[:n]), compiled[:n])
         long = torch.cat([x, torch.randn(70, in_features, generator=g)])  # a prefill-sized block
         assert torch.equal(lin(long)[:9], compiled)
     torch.testing.assert_close(compiled, x @ lin.int8_weight().float().T * lin.weight_scale + (lin.bias if bias else 0),

@@ -179,7 +179,7 @@ __attribute__((always_inline)) inline void block_sums(const int16_t* w, const in
 
 // Few rows (decode, verify): the exact sums of MT rows of v with NC int8 weight rows at w (stride
 // kp) over inputs [k0, k1), k1 - k0 <= kBlockK, widening each 16 weights in a register once for
-// all MT rows. MT x NC = 8 accumulators + NC weights + 1 input in the 16 AVX2 registers. While it
+// all MT rows. MT x NC <= 12 accumulators + NC weights + 1 input in the 16 AVX2 registers. While it
 // runs, it asks for one cache line per step of the 2 kp bytes at `ahead` (a later tile's weights,
 // or nullptr): spread over the loop, the requests keep the memory busy during the multiply-adds
 // instead of stalling at the start of the next tile.
@@ -222,19 +222,23 @@ __attribute__((always_inline)) inline void direct_tile(const int8_t* w, const in
     for (int r = 0; r < NC && r < valid; ++r) out[m * ldo + r] = int8_output(total[m][r], c[m], ws[r], bias ? bias + r : nullptr);
 }
 
-// Rows [m0, m1) of v against NC weight rows, in ceil(rows / 4) passes of near-equal size (5 -> 3 + 2,
-// 9 -> 3 + 3 + 3): each pass widens the same weights again, so a short last pass would pay for them
-// almost alone. Only the first pass asks for the weights `ahead`.
+// Rows [m0, m1) of v against NC weight rows, in ceil(rows / 6) passes of near-equal size (5 -> 5,
+// 9 -> 5 + 4): each pass widens the same weights again, so a short last pass would pay for them
+// almost alone. Up to 6 rows a pass (12 accumulators for NC = 2): against 4, the model's products
+// of 5 and 9 rows (verify passes) took ~5-8% less time, 6 rows ~3%, and 2-4 rows are unchanged
+// (BENCHMARKS.md, 2026-12-05, last section). Only the first pass asks for the weights `ahead`.
 template <int NC>
 inline void direct_rows(const int8_t* w, const int16_t* v, int64_t kp, int64_t m0, int64_t m1, const float* c,
                         const float* ws, const float* bias, float* out, int64_t ldo, int64_t valid, const int8_t* ahead) {
-  const int64_t rows = m1 - m0, passes = (rows + 3) / 4;
+  const int64_t rows = m1 - m0, passes = (rows + 5) / 6;
   int64_t m = m0;
   for (int64_t p = 0; p < passes; ++p) {
     const int64_t size = (m1 - m + (passes - p) - 1) / (passes - p);
     const int16_t* vm = v + m * kp;
     float* om = out + m * ldo;
     switch (size) {
+      case 6: direct_tile<6, NC>(w, vm, kp, c + m, ws, bias, om, ldo, valid, ahead); break;
+      case 5: direct_tile<5, NC>(w, vm, kp, c + m, ws, bias, om, ldo, valid, ahead); break;
       case 4: direct_tile<4, NC>(w, vm, kp, c + m, ws, bias, om, ldo, valid, ahead); break;
       case 3: direct_tile<3, NC>(w, vm, kp, c + m, ws, bias, om, ldo, valid, ahead); break;
       case 2: direct_tile<2, NC>(w, vm, kp, c + m, ws, bias, om, ldo, valid, ahead); break;
