@@ -109,6 +109,24 @@ def test_cli_errors_are_one_line(args, needle):
     assert needle in res.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(drafter="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
+    (dict(drafter="ngram", draft_tree="3x2x4", draft_length="cost"), "fixed shape"),
+    (dict(drafter="ngram", draft_length="cost", verify_cost=0), "verify_cost"),
+])
+def test_engine_load_rejects_bad_speculation_options_before_the_model(kwargs, needle):
+    # A target that does not exist: the option's error, not "not found", shows it was checked first.
+    with pytest.raises(InvalidRequestError, match=needle):
+        Engine.load("/no/such/model.gguf", **kwargs)
+
+
+def test_cli_rejects_max_tokens_before_loading():
+    res = run_cli("generate", "--prompt", "hi", "--max-tokens", "0")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "--max-tokens must be >= 1" in res.stderr.strip().splitlines()[-1]
+    assert "loading the model" not in res.stderr
+
+
 def test_cli_json_on_default_model():
     res = run_cli("generate", "--prompt", "The capital of France is", "--max-tokens", "8", "--json",
                   "--drafter", "ngram")

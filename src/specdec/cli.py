@@ -118,6 +118,8 @@ def _generate(args) -> int:
             raise SpecdecError("--prompt-ids must be comma-separated integers") from None
     if (args.prompt is None) == (prompt_ids is None):
         raise SpecdecError("give exactly one of --prompt or --prompt-ids")
+    if args.max_tokens < 1:  # before the load, like every other option the engine checks
+        raise SpecdecError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     print("specdec: loading the model...", file=sys.stderr)
     engine = Engine.load(args.model, args.drafter, args.num_speculative_tokens, args.device, args.dtype,
                          args.draft_length, progress=_progress, draft_p_min=args.draft_p_min, quantize=args.quantize,

@@ -159,6 +159,18 @@ def check_draft_length(draft_length: str, verify_cost: float | None, verify_over
                                   "verify_overhead")
 
 
+def check_speculation(num_speculative_tokens: int, draft_length: str, tree, verify_cost: float | None,
+                      verify_overhead: float | None) -> None:
+    """The speculation options that need no model: `Engine.load` checks them before the slow load,
+    the constructor again for engines built around a loaded model."""
+    if num_speculative_tokens < 1:
+        raise InvalidRequestError("num_speculative_tokens must be >= 1", "num_speculative_tokens")
+    check_draft_length(draft_length, verify_cost, verify_overhead)
+    if tree is not None and draft_length != "fixed":
+        raise InvalidRequestError(f"draft_length {draft_length!r} moves a chain's length; a draft tree "
+                                  "has a fixed shape", "draft_length")
+
+
 @dataclass
 class Stats:
     prompt_tokens: int = 0
@@ -272,17 +284,11 @@ class Engine:
         verify_overhead: float | None = None,
         screen_verify: bool = True,
     ):
-        if num_speculative_tokens < 1:
-            raise InvalidRequestError("num_speculative_tokens must be >= 1", "num_speculative_tokens")
         tree = TreeShape.parse(draft_tree) if isinstance(draft_tree, str) else draft_tree
         draft_length = default_draft_length(draft_length, tree)
-        check_draft_length(draft_length, verify_cost, verify_overhead)
-        if tree is not None:
-            if not isinstance(drafter, TreeDrafter):
-                raise _no_trees(getattr(drafter, "name", "none") if drafter is not None else "none")
-            if draft_length != "fixed":
-                raise InvalidRequestError(f"draft_length {draft_length!r} moves a chain's length; a draft tree "
-                                          "has a fixed shape", "draft_length")
+        check_speculation(num_speculative_tokens, draft_length, tree, verify_cost, verify_overhead)
+        if tree is not None and not isinstance(drafter, TreeDrafter):
+            raise _no_trees(getattr(drafter, "name", "none") if drafter is not None else "none")
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -326,7 +332,7 @@ class Engine:
         if isinstance(draft_tree, str):
             draft_tree = TreeShape.parse(draft_tree)  # a malformed shape fails before the load
         draft_length = default_draft_length(draft_length, draft_tree)
-        check_draft_length(draft_length, verify_cost, verify_overhead)
+        check_speculation(num_speculative_tokens, draft_length, draft_tree, verify_cost, verify_overhead)
         torch_dtype = resolve_dtype(dtype, device)
         if quantize not in QUANT_MODES:
             raise InvalidRequestError(f"unknown quantize {quantize!r}; choose {' or '.join(QUANT_MODES)}", "quantize")
