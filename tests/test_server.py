@@ -470,3 +470,17 @@ def test_default_model_end_to_end(default_server, default_engine_fp32):
     # The base GGUF has no chat template: a clear 400, not a made-up format.
     with pytest.raises(openai.BadRequestError, match="chat template"):
         client.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("name,needle", [("missing.gguf", "model not found"),
+                                         ("notes.txt", "expected a .gguf file or a folder")])
+def test_cli_serve_rejects_a_bad_model_path_before_binding(tmp_path, name, needle):
+    # The load runs in the background once the port is bound, so a path that cannot be a model is
+    # checked first: one line and exit status 2, not a server whose /health reports the error.
+    (tmp_path / "notes.txt").write_text("not a model")
+    model = str(tmp_path / name)
+    res = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--model", model, "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert needle in res.stderr.strip().splitlines()[-1]
+    assert "serving" not in res.stderr

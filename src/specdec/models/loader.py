@@ -598,18 +598,22 @@ def convert_gguf(path: Path, progress=None) -> Path:
     return folder
 
 
-def resolve(source: str | os.PathLike, progress=None) -> Path:
-    """The HF folder to load for `source`: "default", a folder, or a .gguf file (converted)."""
-    if str(source) == "default":
-        source = default_model_path()
+def check_path(source: str | os.PathLike) -> Path:
+    """A model path given by the user, checked as far as costs nothing: it exists, and it is a
+    folder or a .gguf file. (What a server checks before it binds its port and loads in the
+    background.)"""
     path = Path(source).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model not found: {path}")
-    if path.is_dir():
-        return path
-    if path.suffix.lower() != ".gguf":
+    if not path.is_dir() and path.suffix.lower() != ".gguf":
         raise ModelLoadError(f"{path}: expected a .gguf file or a folder with config.json and *.safetensors")
-    return convert_gguf(path, progress)
+    return path
+
+
+def resolve(source: str | os.PathLike, progress=None) -> Path:
+    """The HF folder to load for `source`: "default", a folder, or a .gguf file (converted)."""
+    path = check_path(default_model_path() if str(source) == "default" else source)
+    return path if path.is_dir() else convert_gguf(path, progress)
 
 
 def release_freed_memory() -> None:

@@ -58,12 +58,15 @@ def run(args) -> int:
     import uvicorn
 
     from ..engine import resolve_device, resolve_dtype
+    from ..models.loader import check_path
     from .app import create_app
 
     settings = settings_from_args(args)
-    # Fail on a bad device or dtype before binding the port; the model itself loads in the
-    # background while /health answers 503.
+    # Fail on a bad device, dtype or model path before binding the port; the model itself loads in
+    # the background while /health answers 503.
     resolve_dtype(settings.dtype, resolve_device(settings.device))
+    if settings.model != "default":
+        check_path(settings.model)
     print(f"specdec: serving {settings.served_model_name!r} on http://{args.host}:{args.port} "
           f"(model loads in the background; GET /health says when it is ready)", file=sys.stderr)
     # Uvicorn handles SIGTERM / SIGINT: it stops accepting, waits for in-flight requests (streams
