@@ -120,6 +120,17 @@ def test_engine_load_rejects_bad_speculation_options_before_the_model(kwargs, ne
         Engine.load("/no/such/model.gguf", **kwargs)
 
 
+def test_quantize_is_checked_against_the_device():
+    # What Engine.load and `specdec serve` check before any load (serve before binding its port).
+    from specdec.engine import check_quantize
+
+    check_quantize("none", "cuda")
+    with pytest.raises(InvalidRequestError, match="needs the CPU"):
+        check_quantize("int8", "cuda")
+    with pytest.raises(InvalidRequestError, match="unknown quantize"):
+        check_quantize("int4", "cpu")
+
+
 def test_cli_rejects_max_tokens_before_loading():
     res = run_cli("generate", "--prompt", "hi", "--max-tokens", "0")
     assert res.returncode == 2 and "Traceback" not in res.stderr

@@ -159,6 +159,16 @@ def check_draft_length(draft_length: str, verify_cost: float | None, verify_over
                                   "verify_overhead")
 
 
+def check_quantize(quantize: str, device: str) -> None:
+    """`quantize` on a resolved device: int8 runs on the CPU, with PyTorch's fbgemm backend."""
+    from .models.quant import QUANT_MODES, cpu_int8_available
+
+    if quantize not in QUANT_MODES:
+        raise InvalidRequestError(f"unknown quantize {quantize!r}; choose {' or '.join(QUANT_MODES)}", "quantize")
+    if quantize != "none" and (device != "cpu" or not cpu_int8_available()):
+        raise InvalidRequestError("quantize=int8 needs the CPU with PyTorch's fbgemm backend", "quantize")
+
+
 def check_speculation(num_speculative_tokens: int, draft_length: str, tree, verify_cost: float | None,
                       verify_overhead: float | None) -> None:
     """The speculation options that need no model: `Engine.load` checks them before the slow load,
@@ -326,18 +336,13 @@ class Engine:
         versions (CPU only; see `models/quant.py`). That changes the target model itself, so plain
         and speculative decoding are compared on the same quantised target.
         """
-        from .models.quant import QUANT_MODES, cpu_int8_available
-
         device = resolve_device(device)
         if isinstance(draft_tree, str):
             draft_tree = TreeShape.parse(draft_tree)  # a malformed shape fails before the load
         draft_length = default_draft_length(draft_length, draft_tree)
         check_speculation(num_speculative_tokens, draft_length, draft_tree, verify_cost, verify_overhead)
         torch_dtype = resolve_dtype(dtype, device)
-        if quantize not in QUANT_MODES:
-            raise InvalidRequestError(f"unknown quantize {quantize!r}; choose {' or '.join(QUANT_MODES)}", "quantize")
-        if quantize != "none" and (device != "cpu" or not cpu_int8_available()):
-            raise InvalidRequestError("quantize=int8 needs the CPU with PyTorch's fbgemm backend", "quantize")
+        check_quantize(quantize, device)
         # A bad drafter name or option fails before the slow target load; a draft model is loaded
         # after the target, whose vocabulary, device and dtype it takes.
         draft_path = draft_model_path(drafter)

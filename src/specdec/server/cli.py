@@ -57,14 +57,16 @@ def settings_from_args(args):
 def run(args) -> int:
     import uvicorn
 
-    from ..engine import resolve_device, resolve_dtype
+    from ..engine import check_quantize, resolve_device, resolve_dtype
     from ..models.loader import check_path
     from .app import create_app
 
     settings = settings_from_args(args)
-    # Fail on a bad device, dtype or model path before binding the port; the model itself loads in
-    # the background while /health answers 503.
-    resolve_dtype(settings.dtype, resolve_device(settings.device))
+    # Fail on a bad device, dtype, quantisation or model path before binding the port; the model
+    # itself loads in the background while /health answers 503.
+    device = resolve_device(settings.device)
+    resolve_dtype(settings.dtype, device)
+    check_quantize(settings.quantize, device)
     if settings.model != "default":
         check_path(settings.model)
     print(f"specdec: serving {settings.served_model_name!r} on http://{args.host}:{args.port} "
