@@ -225,8 +225,8 @@ __attribute__((always_inline)) inline void direct_tile(const int8_t* w, const in
 // Rows [m0, m1) of v against NC weight rows, in ceil(rows / 6) passes of near-equal size (5 -> 5,
 // 9 -> 5 + 4): each pass widens the same weights again, so a short last pass would pay for them
 // almost alone. Up to 6 rows a pass (12 accumulators for NC = 2): against 4, the model's products
-// of 5 and 9 rows (verify passes) took ~5-8% less time, 6 rows ~3%, and 2-4 rows are unchanged
-// (BENCHMARKS.md, 2026-12-05, last section). Only the first pass asks for the weights `ahead`.
+// of 5 and 9 rows (verify passes) took 5-10% less time, 6 rows ~3%, and 2-4 rows are unchanged
+// (BENCHMARKS.md, 2026-12-05 midday). Only the first pass asks for the weights `ahead`.
 template <int NC>
 inline void direct_rows(const int8_t* w, const int16_t* v, int64_t kp, int64_t m0, int64_t m1, const float* c,
                         const float* ws, const float* bias, float* out, int64_t ldo, int64_t valid, const int8_t* ahead) {
