@@ -47,6 +47,7 @@ def test_int8_linear_compiled_paths_equal_pytorch_path(kernels, out_features, in
             assert torch.equal(lin(x[:n]), compiled[:n])
         long = torch.cat([x, torch.randn(70, in_features, generator=g)])  # a prefill-sized block
         assert torch.equal(lin(long)[:9], compiled)
+        assert torch.equal(lin(long), lin.forward_rows(long))  # every row of the prefill's own kernel
     torch.testing.assert_close(compiled, x @ lin.int8_weight().float().T * lin.weight_scale + (lin.bias if bias else 0),
                                rtol=0, atol=2e-2 * float(x.abs().max()))  # and it is x @ W.T on the grid
 
@@ -269,3 +270,14 @@ def test_a_build_lock_left_by_a_killed_process_does_not_block_the_next_load():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert not leftover.exists()
+
+
+def test_builds_for_different_cpus_live_in_different_folders(monkeypatch):
+    """-march=native builds for the machine at hand: a build made on a CPU with AVX-512 would die
+    with SIGILL on one without. A cache folder shared between machines keeps one build per CPU."""
+    here = cpu_kernels.cpu_signature()
+    assert here  # /proc/cpuinfo's model and flags on Linux, the platform's names elsewhere
+    first = cpu_kernels.build_dir()
+    assert cpu_kernels.build_dir() == first  # stable on one machine
+    monkeypatch.setattr(cpu_kernels, "cpu_signature", lambda: here.replace("avx2", "").replace("flags=", "flags=x "))
+    assert cpu_kernels.build_dir() != first

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import platform
 import sys
 import warnings
 from pathlib import Path
@@ -38,12 +39,38 @@ def enabled() -> bool:
     return os.environ.get("SPECDEC_CPU_KERNELS", "1") != "0"
 
 
+def cpu_signature() -> str:
+    """What -march=native compiles for: the processor's model and instruction-set flags.
+
+    A build for one CPU can hold instructions another lacks (AVX-512 on a Zen 4 build, run on a Zen
+    3 or an older Intel): loading it there dies with SIGILL at the first such instruction, with no
+    message. So a cache folder shared between machines (a home directory on a network disk, an
+    image built on one host and run on another) keeps one build per CPU.
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            fields = {}
+            for line in info:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "cpu family", "model", "model name", "flags", "Features", "CPU part"):
+                    fields.setdefault(key, value.strip())
+                elif not line.strip() and fields:
+                    break  # the first processor's block is enough: all cores of a machine match
+        if fields:
+            return " | ".join(f"{key}={value}" for key, value in sorted(fields.items()))
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
 def build_dir() -> Path:
     from .loader import cache_root
 
     # The source's path too: the build files name it, so two checkouts sharing one folder would
     # each see the other's build as stale and recompile (~40 s) at every switch between them.
-    text = SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode() + str(SOURCE.resolve()).encode()
+    text = (SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode()
+            + str(SOURCE.resolve()).encode() + cpu_signature().encode())
     return cache_root() / "kernels" / hashlib.sha256(text).hexdigest()[:16]
 
 
