@@ -65,7 +65,7 @@ def test_parse_configs_errors(text, fragment):
 def test_with_baselines_adds_plain_per_target_and_maps_peers_to_the_default():
     canon = {"auto": "float32", "fp32": "float32", "bf16": "bfloat16"}.get
     configs = C.parse_configs("ngram:k=5,ngram:k=5:quantize=int8,ngram:dtype=fp32,hf,suffix:dtype=bf16")
-    full, base = C.with_baselines(configs, "auto", "none", lambda d: canon(d, d))
+    full, base = C.with_baselines(configs, "auto", "none", lambda d, q: canon(d, d))
     labels = [c.label for c in full]
     # One plain per target, each placed before its first user; "fp32" is the default target too.
     assert labels == ["plain", "ngram:k=5", "plain:quantize=int8", "ngram:k=5:quantize=int8", "ngram:dtype=fp32",
@@ -77,6 +77,14 @@ def test_with_baselines_adds_plain_per_target_and_maps_peers_to_the_default():
     full, base = C.with_baselines(C.parse_configs("ngram:quantize=int8,plain:quantize=int8"), "auto", "none")
     assert [c.label for c in full] == ["ngram:quantize=int8", "plain:quantize=int8"]
     assert base["ngram:quantize=int8"] == "plain:quantize=int8"
+    # The runner's own mapping: "auto" is float32 for an int8 target on the CPU (the int8 model
+    # computes in float32), so an int8 configuration written with fp32 shares that plain run.
+    from specdec.bench.runner import canonical_dtype
+
+    configs = C.parse_configs("ngram:quantize=int8,suffix:quantize=int8:dtype=fp32")
+    full, base = C.with_baselines(configs, "auto", "none", canonical_dtype("cpu"))
+    assert [c.label for c in full] == ["plain:quantize=int8", "ngram:quantize=int8", "suffix:quantize=int8:dtype=fp32"]
+    assert base["suffix:quantize=int8:dtype=fp32"] == "plain:quantize=int8"
 
 
 # -- prompts -------------------------------------------------------------------------------------

@@ -131,6 +131,21 @@ def test_quantize_is_checked_against_the_device():
         check_quantize("int4", "cpu")
 
 
+def test_auto_dtype_of_an_int8_cpu_model_is_float32(monkeypatch):
+    # On a CPU with native bfloat16 (AVX512-BF16, AMX) "auto" is bfloat16 for a float model, but an
+    # int8 model computes in float32 whatever the dtype: bfloat16 would only round its norms.
+    from specdec import engine
+
+    monkeypatch.setattr(engine, "_cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    assert engine.resolve_dtype("auto", "cpu") == torch.bfloat16
+    assert engine.resolve_dtype("auto", "cpu", "int8") == torch.float32
+    assert engine.resolve_dtype("bfloat16", "cpu", "int8") == torch.bfloat16  # asked for by name: kept
+    assert engine.resolve_dtype("auto", "cuda", "none") == torch.bfloat16
+    monkeypatch.setattr(engine, "_cpu_has_bf16", lambda: False)
+    assert engine.resolve_dtype("auto", "cpu") == torch.float32
+
+
 def test_cli_rejects_max_tokens_before_loading():
     res = run_cli("generate", "--prompt", "hi", "--max-tokens", "0")
     assert res.returncode == 2 and "Traceback" not in res.stderr

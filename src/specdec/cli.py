@@ -54,7 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    gen.add_argument("--dtype", default="auto",
+                     help="auto (bfloat16 on CUDA and on CPUs with native bfloat16, float32 otherwise and for int8) "
+                          "| float32 | bfloat16 | float16")
     gen.add_argument("--device", default="cpu", help="cpu | cuda")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--json", action="store_true", help="print one JSON object")

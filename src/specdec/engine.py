@@ -31,11 +31,15 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+def resolve_dtype(dtype: str, device: str, quantize: str = "none") -> torch.dtype:
     if dtype == "auto":
         # bfloat16 halves the bytes read per token; CPUs without native bf16 would emulate it slowly.
         if device.startswith("cuda"):
             return torch.bfloat16
+        if quantize != "none":
+            # An int8 model on the CPU computes in float32 whatever the dtype (the compiled kernels'
+            # activations, the float32 cache): bfloat16 would only round its norms' weights.
+            return torch.float32
         return torch.bfloat16 if torch.backends.mkldnn.is_available() and _cpu_has_bf16() else torch.float32
     if dtype not in DTYPES:
         raise InvalidRequestError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16", "dtype")
@@ -341,7 +345,7 @@ class Engine:
             draft_tree = TreeShape.parse(draft_tree)  # a malformed shape fails before the load
         draft_length = default_draft_length(draft_length, draft_tree)
         check_speculation(num_speculative_tokens, draft_length, draft_tree, verify_cost, verify_overhead)
-        torch_dtype = resolve_dtype(dtype, device)
+        torch_dtype = resolve_dtype(dtype, device, quantize)
         check_quantize(quantize, device)
         # A bad drafter name or option fails before the slow target load; a draft model is loaded
         # after the target, whose vocabulary, device and dtype it takes.

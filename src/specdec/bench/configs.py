@@ -204,18 +204,24 @@ def _convert(item: str, key: str, value: str, kind_of) -> object:
     return converted
 
 
+def _as_named(name: str, quantize: str | None = None) -> str:
+    return name
+
+
 def target_key(config: BenchConfig, dtype: str, quantize: str | None,
-               canonical: Callable[[str], str] = str) -> tuple[str, str | None]:
+               canonical: Callable[..., str] = _as_named) -> tuple[str, str | None]:
     """Which loaded specdec target a configuration runs on: (dtype, quantize).
 
-    `canonical` maps a dtype name to the one it resolves to (the runner passes one that turns
-    "auto" / "bf16" into "bfloat16" for the device), so two spellings of one target share it.
+    `canonical(dtype, quantize)` maps a dtype name to the one it resolves to (the runner passes one
+    that turns "auto" / "bf16" into "bfloat16" for the device, and "auto" into "float32" for an int8
+    target on the CPU), so two spellings of one target share it.
     """
-    return (canonical(str(config.options.get("dtype", dtype))), config.options.get("quantize", quantize))
+    quantize = config.options.get("quantize", quantize)
+    return canonical(str(config.options.get("dtype", dtype)), quantize), quantize
 
 
 def with_baselines(configs: list[BenchConfig], dtype: str, quantize: str | None,
-                   canonical: Callable[[str], str] = str) -> tuple[list[BenchConfig], dict[str, str]]:
+                   canonical: Callable[..., str] = _as_named) -> tuple[list[BenchConfig], dict[str, str]]:
     """Make sure every specdec target variant has a plain run; map each label to its baseline's.
 
     A speculative configuration is compared with plain decoding *of the same target* (same dtype,
@@ -230,7 +236,7 @@ def with_baselines(configs: list[BenchConfig], dtype: str, quantize: str | None,
     for c in configs:
         if c.kind == "plain":
             plain_of.setdefault(key_of[c.label], c.label)
-    default_key = (canonical(dtype), quantize)
+    default_key = (canonical(dtype, quantize), quantize)
 
     def add_plain(key: tuple, options: dict, at: int) -> None:
         label = ":".join(["plain"] + [f"{k}={v}" for k, v in options.items()])

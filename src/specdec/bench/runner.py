@@ -325,11 +325,12 @@ class LlamaCppRunner:
         return Run(self.config.label, "", "", 0, len(ids), len(new), wall, new)
 
 
-def canonical_dtype(device: str) -> Callable[[str], str]:
-    """dtype name -> the torch dtype it resolves to on `device`, as a name ("auto" -> "float32")."""
+def canonical_dtype(device: str) -> Callable[..., str]:
+    """(dtype name, quantisation) -> the torch dtype it resolves to on `device`, as a name ("auto" ->
+    "float32")."""
     from ..engine import resolve_dtype
 
-    return lambda name: str(resolve_dtype(name, device)).removeprefix("torch.")
+    return lambda name, quantize=None: str(resolve_dtype(name, device, quantize or "none")).removeprefix("torch.")
 
 
 def machine_info(device: str) -> dict:

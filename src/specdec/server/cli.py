@@ -29,7 +29,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048,
                         help="prompt + generated tokens per request (sizes the preallocated KV cache)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (bfloat16 on CUDA and on CPUs with native bfloat16, float32 otherwise and for "
+                             "int8) | float32 | bfloat16 | float16")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--quantize", default="none", choices=["none", "int8"])
     parser.add_argument("--log-level", default="warning", help="uvicorn log level")
@@ -65,7 +67,7 @@ def run(args) -> int:
     # Fail on a bad device, dtype, quantisation or model path before binding the port; the model
     # itself loads in the background while /health answers 503.
     device = resolve_device(settings.device)
-    resolve_dtype(settings.dtype, device)
+    resolve_dtype(settings.dtype, device, settings.quantize)
     check_quantize(settings.quantize, device)
     if settings.model != "default":
         check_path(settings.model)
