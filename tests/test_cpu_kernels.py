@@ -89,7 +89,8 @@ def test_rms_norm_matches_pytorch(kernels, period):
                                atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("heads, kv_heads, d, t", [(4, 1, 256, 1), (4, 1, 256, 9), (4, 2, 40, 5), (2, 2, 64, 3)])
+@pytest.mark.parametrize("heads, kv_heads, d, t", [(4, 1, 256, 1), (4, 1, 256, 9), (4, 2, 40, 5), (2, 2, 64, 3),
+                                                 (3, 1, 36, 4)])  # an odd head per key head; d % 8 inputs
 def test_attention_matches_sdpa_and_each_row_stands_alone(kernels, heads, kv_heads, d, t):
     # Two batch rows of different lengths over a 300-slot cache (three chunks), causal within the
     # block and a sliding window on the second row: the masks the model builds.
