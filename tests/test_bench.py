@@ -412,3 +412,20 @@ def test_cli_errors_after_loading(tiny, capsys, tmp_path):
     assert main(["bench", "--model", str(folder), "--tasks", "none", "--prompts", str(prompts), "--configs", "plain",
                  "--max-tokens", "600", "--no-progress"]) == 2
     assert "exceeds the model's context of 512" in capsys.readouterr().err
+
+
+def test_machine_line_names_the_cpu_generation_and_its_vector_instructions():
+    # "AMD EPYC" alone named a Zen 3 (AVX2 only) and a Zen 4 (AVX-512) machine alike; their
+    # speed ratios differ, so a benchmark record says which one ran.
+    from pathlib import Path
+
+    from specdec.bench.runner import cpu_description, machine_info
+
+    text = cpu_description()
+    assert text and machine_info("cpu")["cpu"] == text
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        flags = set(next((l.split(":", 1)[1].split() for l in info.read_text().splitlines() if l.startswith("flags")), []))
+        assert "family" in text
+        assert ("AVX2" in text) == ("avx2" in flags)
+        assert ("AVX-512" in text) == ("avx512f" in flags)

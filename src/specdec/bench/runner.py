@@ -333,16 +333,38 @@ def canonical_dtype(device: str) -> Callable[..., str]:
     return lambda name, quantize=None: str(resolve_dtype(name, device, quantize or "none")).removeprefix("torch.")
 
 
-def machine_info(device: str) -> dict:
+# The instruction sets the CPU kernels and PyTorch choose paths by, as /proc/cpuinfo names them.
+_ISA_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "VNNI", "avx512_bf16": "BF16", "amx_tile": "AMX"}
+
+
+def cpu_description() -> str:
+    """The CPU's name, and on Linux its family / model and vector instruction sets: "AMD EPYC" alone
+    named both a Zen 3 (AVX2 only) and a Zen 4 (AVX-512) machine, whose speed ratios differ."""
     cpu = platform.processor() or ""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "cpu family", "model", "flags"):
+                fields.setdefault(key, value.strip())
+            elif not line.strip() and fields:
                 break
     except OSError:
         pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    cpu = fields.get("model name", cpu)
+    details = []
+    if "cpu family" in fields and "model" in fields:
+        details.append(f"family {fields['cpu family']}, model {fields['model']}")
+    flags = set(fields.get("flags", "").split())
+    isa = [name for flag, name in _ISA_FLAGS.items() if flag in flags]
+    if isa:
+        details.append(", ".join(isa))
+    return f"{cpu} ({'; '.join(details)})" if details else cpu
+
+
+def machine_info(device: str) -> dict:
+    info = {"cpu": cpu_description(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "device": device}
     if device.startswith("cuda") and torch.cuda.is_available():
