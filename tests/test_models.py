@@ -132,6 +132,49 @@ def test_decoder_layer_kernel_equals_the_modules(tmp_path, monkeypatch, family, 
     assert not torch.equal(fused[0], fused_after[0])
 
 
+def test_decoder_layer_kernel_follows_a_replaced_projection(tmp_path):
+    # The layers remember their kernel arguments and trust them while no module has registered
+    # another weight or submodule: giving a block a new projection, or a projection a new weight,
+    # must reach the next step.
+    from specdec.models import cpu_kernels
+    from specdec.models.transformer import Block
+
+    if cpu_kernels.load() is None:
+        pytest.skip("needs the compiled CPU kernels")
+    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, "gemma3")
+    model, _ = loader.load(folder, torch.float32, "cpu")
+    model.fuse_projections()
+    ids = torch.randint(0, 97, (1, 21), generator=torch.Generator().manual_seed(3))
+
+    def step(use_kernel: bool = True) -> torch.Tensor:
+        with torch.inference_mode():
+            cache = model.new_cache(1, 30)
+            model(ids[:, :20], torch.arange(20)[None], cache, last_n=1)
+            if not use_kernel:
+                for block in model.layers:
+                    block.__dict__["_kernel_memo"] = None
+                original = Block._kernel_parts
+                Block._kernel_parts = lambda self, cache_keys: None
+                try:
+                    return model(ids[:, 20:], torch.arange(20, 21)[None], cache)[0]
+                finally:
+                    Block._kernel_parts = original
+            return model(ids[:, 20:], torch.arange(20, 21)[None], cache)[0]
+
+    before = step()
+    mlp = model.layers[1].mlp
+    old = mlp.down_proj
+    new = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    with torch.no_grad():
+        new.weight.copy_(old.weight * 1.5)
+    mlp.down_proj = new  # a new submodule
+    after = step()
+    assert not torch.equal(after, before)
+    assert torch.equal(after, step(use_kernel=False))
+    mlp.down_proj.weight = torch.nn.Parameter(old.weight.detach().clone())  # a new weight: the old values
+    assert torch.equal(step(), before)
+
+
 def _counting(fn, calls: list):
     def wrapped(*args):
         calls.append(1)
