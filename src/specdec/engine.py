@@ -47,10 +47,9 @@ def resolve_dtype(dtype: str, device: str, quantize: str = "none") -> torch.dtyp
 
 
 def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    from .models.cpu_kernels import cpu_fields
+
+    flags = cpu_fields().get("flags", "").split()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

@@ -340,19 +340,10 @@ _ISA_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "VNNI", "avx5
 def cpu_description() -> str:
     """The CPU's name, and on Linux its family / model and vector instruction sets: "AMD EPYC" alone
     named both a Zen 3 (AVX2 only) and a Zen 4 (AVX-512) machine, whose speed ratios differ."""
-    cpu = platform.processor() or ""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("model name", "cpu family", "model", "flags"):
-                fields.setdefault(key, value.strip())
-            elif not line.strip() and fields:
-                break
-    except OSError:
-        pass
-    cpu = fields.get("model name", cpu)
+    from ..models.cpu_kernels import cpu_fields
+
+    fields = cpu_fields()
+    cpu = fields.get("model name") or platform.processor() or ""
     details = []
     if "cpu family" in fields and "model" in fields:
         details.append(f"family {fields['cpu family']}, model {fields['model']}")

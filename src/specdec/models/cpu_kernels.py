@@ -39,6 +39,25 @@ def enabled() -> bool:
     return os.environ.get("SPECDEC_CPU_KERNELS", "1") != "0"
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_fields() -> dict[str, str]:
+    """The first processor's block of /proc/cpuinfo as {field: value} ("model name", "cpu family",
+    "flags", ...; empty where there is no such file). All cores of a machine match."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
 def cpu_signature() -> str:
     """What -march=native compiles for: the processor's model and instruction-set flags.
 
@@ -47,20 +66,10 @@ def cpu_signature() -> str:
     message. So a cache folder shared between machines (a home directory on a network disk, an
     image built on one host and run on another) keeps one build per CPU.
     """
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            fields = {}
-            for line in info:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("vendor_id", "cpu family", "model", "model name", "flags", "Features", "CPU part"):
-                    fields.setdefault(key, value.strip())
-                elif not line.strip() and fields:
-                    break  # the first processor's block is enough: all cores of a machine match
-        if fields:
-            return " | ".join(f"{key}={value}" for key, value in sorted(fields.items()))
-    except OSError:
-        pass
+    keys = ("vendor_id", "cpu family", "model", "model name", "flags", "Features", "CPU part")
+    fields = {key: value for key, value in cpu_fields().items() if key in keys}
+    if fields:
+        return " | ".join(f"{key}={value}" for key, value in sorted(fields.items()))
     return f"{platform.machine()} {platform.processor()}"
 
 

@@ -438,11 +438,12 @@ class Block(Layer):
         if memo is not None and memo[3] == _registrations[0] and memo[1] == _versions(memo[4]):
             return memo[2]
         modules, norm_weights = self._kernel_key()
+        versions = _versions(norm_weights)
         parts = None if memo is None else memo[2]
         if (memo is None or len(memo[0]) != len(modules) or not all(a is b for a, b in zip(memo[0], modules))
-                or memo[1] != _versions(norm_weights)):
+                or memo[1] != versions):
             parts = self._make_kernel_parts()
-        self.__dict__["_kernel_memo"] = (modules, _versions(norm_weights), parts, _registrations[0], norm_weights)
+        self.__dict__["_kernel_memo"] = (modules, versions, parts, _registrations[0], norm_weights)
         return parts
 
     def _make_kernel_parts(self) -> tuple | None:
