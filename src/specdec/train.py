@@ -283,10 +283,11 @@ def generate_data(target, seed_ids: list[list[int]], gen_tokens: int, batch: int
             positions = cache.lengths[:, None].clone()
             logits, hidden = target(nxt, positions, cache)
             best = logits[:, -1].argmax(-1)  # [b]
-            best_list = best.tolist()
+            best_list, nxt_list = best.tolist(), nxt[:, 0].tolist()
+            hidden = hidden.cpu()  # one copy a step, not one per row (on a GPU each is a sync)
             for r in range(b):
-                toks[r].append(int(nxt[r, 0]))
-                feats[r].append(hidden[r].cpu())
+                toks[r].append(nxt_list[r])
+                feats[r].append(hidden[r])
                 greedy[r].append(best_list[r])
             nxt = best[:, None]
         for r in range(b):
@@ -361,14 +362,14 @@ def sequence_loss(model, tokens: Tensor, feats: Tensor, depth: int, feat_scale: 
     attn = head.block.self_attn
     cache = _AutogradCache(1, 1, attn.kv_heads, attn.head_dim, depth * t, feats.dtype, feats.device)
     x_in = tokens[1:][None]  # [1, T]
-    positions = torch.arange(1, t + 1)[None]  # [1, T]
+    positions = torch.arange(1, t + 1, device=feats.device)[None]  # [1, T]
     true_next = feats[1:]  # [T, h]
     with torch.no_grad():
         p_target = model.logits(true_next).softmax(-1)  # [T, Vd] target's distribution, renormalised
     inp = feats[:-1][None]  # [1, T, h]
     total, stats = 0.0, {}
     for d in range(1, depth + 1):
-        visible = unrolled_visibility(t, d)[None, None]  # [1, 1, T, d*T]
+        visible = unrolled_visibility(t, d).to(feats.device)[None, None]  # [1, 1, T, d*T]
         x = head(inp, model.embed(x_in), positions, cache, visible=visible)
         pred = model.target.norm(x)[0]  # [T, h]
         valid = slice(d - 1, t)  # entries with a full chain behind them
