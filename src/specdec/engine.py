@@ -129,7 +129,8 @@ DRAFT_LENGTHS = ("fixed", "adaptive", "cost")
 # default model (a pass over T tokens relative to T = 1): float32 1.73 at T = 2, 2.31 at T = 6, 2.60
 # at T = 9 after a 100-token context (its matrix products leave their one-row fast path); int8, with
 # the compiled CPU kernels, after a 400-token context: 1.02 at T = 2, 1.51 at T = 4, 1.88 at T = 6,
-# 2.16 at T = 9 (BENCHMARKS.md, evening run). A GPU scores a few tokens for about one.
+# 2.16 at T = 9 (BENCHMARKS.md, evening run). A GPU scores a few tokens for about one: the CUDA row is
+# an estimate, not yet measured on a GPU.
 DEFAULT_VERIFY_COSTS = {  # (overhead, cost per draft token)
     "cpu": (0.5, 0.14),
     "cpu-int8": (0.0, 0.16),
