@@ -104,17 +104,15 @@ def smoke(args) -> None:
                 results.append(row)
                 print(json.dumps(row), flush=True)
         save(args.out, "smoke.json", results)
-    # The head's training path on the device: data from the target, then optimiser steps.
+    # `specdec train-draft`'s two paths on the device, as the CLI runs them (random seed ids: the
+    # tiny models have no tokenizer): data from the target, the sub-vocabulary, optimiser steps, output.
     target, _ = loader.load(folder, torch.float32, args.device)
-    target.requires_grad_(False)
-    data = tr.generate_data(target, random_prompts(4, length=6), 12, 2)
-    model = EagleModel(HeadSpec.for_target(target.config, 60, 48), target, d2t.to(args.device))
-    toks = [t.to(args.device) for t in data.tokens]
-    feats = [f.to(args.device) for f in data.features]
-    cfg = tr.TrainConfig(steps=3, batch_tokens=32, checkpoint_every=10**9)
-    result = tr.fit(model.head, "head", lambda i: tr.sequence_loss(model, toks[i], feats[i], 2, 1.0, 0.5),
-                    [len(t) for t in toks], cfg, tmp / "ckpt.pt", None, {}, log=print)
-    results.append({"training_steps": result.steps_done, "stats": result.stats})
+    small = dict(steps=3, num_seeds=4, gen_tokens=8, gen_batch=2, max_seed_tokens=8, batch_tokens=32, draft_vocab=60,
+                 checkpoint_every=10**9)
+    tr.train_head(target, None, tmp / "head", tr.TrainConfig(**small), log=print)
+    tr.train_model(target, None, tmp / "draft", tr.TrainConfig(kind="model", layers=2, **small), log=print)
+    results.append({"train_head": sorted(p.name for p in (tmp / "head").iterdir()),
+                    "train_model": sorted(p.name for p in (tmp / "draft").iterdir())})
     save(args.out, "smoke.json", results)
     print("smoke: done", flush=True)
 

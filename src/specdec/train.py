@@ -809,8 +809,11 @@ def train_head(target, tokenizer, out: Path, cfg: TrainConfig, resume: bool = Fa
     coverage = float(torch.isin(all_greedy, d2t).float().mean())
     feat_scale = float(torch.cat(data.features).std())
 
+    device = target.embed_tokens.weight.device  # the data is kept on the CPU; a sequence moves when used
+
     def loss_of(i: int):
-        return sequence_loss(model, data.tokens[i], data.features[i], cfg.depth, feat_scale, cfg.token_weight)
+        return sequence_loss(model, data.tokens[i].to(device), data.features[i].to(device), cfg.depth, feat_scale,
+                             cfg.token_weight)
 
     result = fit(model.head, "head", loss_of, [len(t) for t in data.tokens], cfg, out / CHECKPOINT_FILE, ckpt,
                  {"d2t": d2t, "spec": dataclasses.asdict(spec)}, log)
