@@ -220,37 +220,62 @@ __attribute__((always_inline)) inline void direct_sums(const int8_t* w, const in
 // rows) did not gain while their weights stream from memory (up to 7% slower), so they keep the
 // AVX2 kernel (BENCHMARKS.md, 2026-12-05 evening). While it runs it asks for the 4 kp bytes at
 // `ahead`, two cache lines a step.
+// The 16 sums are named variables, not an array, and the loop is the function's only writer of
+// them (the last 16 inputs of an odd kp go to fresh sums after the loop's are reduced). Written with
+// an array and the tail adding into the same sums, GCC 12 kept the sums in other registers than
+// the multiply-adds wrote and copied them back every step: 30 register copies per 16 multiply-adds.
+#define SPECDEC_DP4(A, m, x)                            \
+  A##m##0 = _mm512_dpwssd_epi32(A##m##0, x, w0);        \
+  A##m##1 = _mm512_dpwssd_epi32(A##m##1, x, w1);        \
+  A##m##2 = _mm512_dpwssd_epi32(A##m##2, x, w2);        \
+  A##m##3 = _mm512_dpwssd_epi32(A##m##3, x, w3);
+#define SPECDEC_SUM4(A, m, op)                          \
+  sums[m][0] op _mm512_reduce_add_epi32(A##m##0);       \
+  sums[m][1] op _mm512_reduce_add_epi32(A##m##1);       \
+  sums[m][2] op _mm512_reduce_add_epi32(A##m##2);       \
+  sums[m][3] op _mm512_reduce_add_epi32(A##m##3);
 template <int MT>
 __attribute__((always_inline)) inline void vnni_sums(const int8_t* w, const int16_t* v, int64_t kp, int64_t k0, int64_t k1,
                                                       const int8_t* ahead, int32_t (&sums)[MT][4]) {
-  __m512i acc[MT][4];
-  for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_si512();
+  static_assert(MT >= 1 && MT <= 4, "vnni_sums: 1 to 4 rows");
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i a00 = zero, a01 = zero, a02 = zero, a03 = zero, a10 = zero, a11 = zero, a12 = zero, a13 = zero;
+  __m512i a20 = zero, a21 = zero, a22 = zero, a23 = zero, a30 = zero, a31 = zero, a32 = zero, a33 = zero;
   int64_t i = k0;
   for (; i + 32 <= k1; i += 32) {
-    __m512i wr[4];
-    for (int r = 0; r < 4; ++r)
-      wr[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * kp + i)));
+    const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i)));
+    const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kp + i)));
+    const __m512i w2 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2 * kp + i)));
+    const __m512i w3 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 3 * kp + i)));
     if (ahead != nullptr) {
       _mm_prefetch(reinterpret_cast<const char*>(ahead + 4 * i), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(ahead + 4 * i + 64), _MM_HINT_T0);
     }
-    for (int m = 0; m < MT; ++m) {
-      const __m512i xv = _mm512_loadu_si512(v + m * kp + i);
-      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_dpwssd_epi32(acc[m][r], xv, wr[r]);
-    }
+    { const __m512i x = _mm512_loadu_si512(v + i); SPECDEC_DP4(a, 0, x) }
+    if constexpr (MT > 1) { const __m512i x = _mm512_loadu_si512(v + kp + i); SPECDEC_DP4(a, 1, x) }
+    if constexpr (MT > 2) { const __m512i x = _mm512_loadu_si512(v + 2 * kp + i); SPECDEC_DP4(a, 2, x) }
+    if constexpr (MT > 3) { const __m512i x = _mm512_loadu_si512(v + 3 * kp + i); SPECDEC_DP4(a, 3, x) }
   }
+  SPECDEC_SUM4(a, 0, =)  // exact integers: any order of the lanes gives the same
+  if constexpr (MT > 1) { SPECDEC_SUM4(a, 1, =) }
+  if constexpr (MT > 2) { SPECDEC_SUM4(a, 2, =) }
+  if constexpr (MT > 3) { SPECDEC_SUM4(a, 3, =) }
   if (i < k1) {  // the last 16 inputs (kp is a multiple of 16): the upper halves are zero
-    __m512i wr[4];
-    for (int r = 0; r < 4; ++r) wr[r] = _mm512_zextsi256_si512(widen(w + r * kp + i));
-    for (int m = 0; m < MT; ++m) {
-      const __m512i xv = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + m * kp + i)));
-      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_dpwssd_epi32(acc[m][r], xv, wr[r]);
-    }
+    const __m512i w0 = _mm512_zextsi256_si512(widen(w + i)), w1 = _mm512_zextsi256_si512(widen(w + kp + i));
+    const __m512i w2 = _mm512_zextsi256_si512(widen(w + 2 * kp + i)), w3 = _mm512_zextsi256_si512(widen(w + 3 * kp + i));
+    __m512i b00 = zero, b01 = zero, b02 = zero, b03 = zero, b10 = zero, b11 = zero, b12 = zero, b13 = zero;
+    __m512i b20 = zero, b21 = zero, b22 = zero, b23 = zero, b30 = zero, b31 = zero, b32 = zero, b33 = zero;
+    auto x_at = [&](int m) {
+      return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + m * kp + i)));
+    };
+    { const __m512i x = x_at(0); SPECDEC_DP4(b, 0, x) SPECDEC_SUM4(b, 0, +=) }
+    if constexpr (MT > 1) { const __m512i x = x_at(1); SPECDEC_DP4(b, 1, x) SPECDEC_SUM4(b, 1, +=) }
+    if constexpr (MT > 2) { const __m512i x = x_at(2); SPECDEC_DP4(b, 2, x) SPECDEC_SUM4(b, 2, +=) }
+    if constexpr (MT > 3) { const __m512i x = x_at(3); SPECDEC_DP4(b, 3, x) SPECDEC_SUM4(b, 3, +=) }
   }
-  for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < 4; ++r) sums[m][r] = _mm512_reduce_add_epi32(acc[m][r]);  // exact in any order
 }
+#undef SPECDEC_DP4
+#undef SPECDEC_SUM4
 #endif
 
 // out[m, 0..min(NC, valid)) (row stride ldo) for MT rows by direct_sums and the scalar output formula.
