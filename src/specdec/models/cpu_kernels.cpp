@@ -219,7 +219,8 @@ __attribute__((always_inline)) inline void direct_sums(const int8_t* w, const in
 // rows 618 -> 563 ms, 100 rows 78 -> 68 ms, 33 rows 29 -> 25 ms. Decode and verify blocks (1-17
 // rows) did not gain while their weights stream from memory (up to 7% slower), so they keep the
 // AVX2 kernel (BENCHMARKS.md, 2026-12-05 evening). While it runs it asks for the 4 kp bytes at
-// `ahead`, two cache lines a step.
+// `ahead`, two cache lines a step. With the sums kept in place (below): 700 rows 538 -> 473 ms,
+// whole prefills 5-12% faster (BENCHMARKS.md, 2026-12-05 late).
 // The 16 sums are named variables, not an array, and the loop is the function's only writer of
 // them (the last 16 inputs of an odd kp go to fresh sums after the loop's are reduced). Written with
 // an array and the tail adding into the same sums, GCC 12 kept the sums in other registers than
