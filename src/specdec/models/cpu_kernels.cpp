@@ -156,42 +156,29 @@ inline void prefetch_weights(const int8_t* p, int64_t bytes, const int8_t* end) 
 
 // The exact sums of MT rows of v (stride kp) with 4 widened weight rows (the thread's buffer) over
 // inputs [k0, k1), k1 - k0 <= kBlockK: sums[m] = the 4 columns' integers.
-// Widened weights from L1 as the multiply's memory operand, each input row loaded once into a
-// register: 2 + 8 loads for 8 multiply-adds. (The empty asm keeps GCC from re-loading the input
-// rows at every use instead, 14 loads, which measured ~25% slower.) The 8 sums are named variables:
-// with an array, the AVX2 build's loop went to the stack twice a step (objdump); named, it does
-// not, and an AVX2 build's prefill products ran 2-7% faster (on a Zen 4 with `-march=znver3`;
-// BENCHMARKS.md, 2026-12-05 late).
 template <int MT>
 __attribute__((always_inline)) inline void block_sums(const int16_t* w, const int16_t* v, int64_t kp, int64_t k0, int64_t k1, __m128i* sums) {
-  static_assert(MT == 1 || MT == 2, "block_sums: 1 or 2 rows");
-  const __m256i zero = _mm256_setzero_si256();
-  __m256i a00 = zero, a01 = zero, a02 = zero, a03 = zero, a10 = zero, a11 = zero, a12 = zero, a13 = zero;
+  __m256i acc[MT][4];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_setzero_si256();
   for (int64_t i = k0; i < k1; i += 16) {
-    __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
-    asm("" : "+x"(x0));
-    const __m256i* wr = reinterpret_cast<const __m256i*>(w + i);
-    const int64_t s = kp / 16;  // one weight row, in 16-input steps
-    a00 = _mm256_add_epi32(a00, _mm256_madd_epi16(x0, _mm256_load_si256(wr)));
-    a01 = _mm256_add_epi32(a01, _mm256_madd_epi16(x0, _mm256_load_si256(wr + s)));
-    a02 = _mm256_add_epi32(a02, _mm256_madd_epi16(x0, _mm256_load_si256(wr + 2 * s)));
-    a03 = _mm256_add_epi32(a03, _mm256_madd_epi16(x0, _mm256_load_si256(wr + 3 * s)));
-    if constexpr (MT > 1) {
-      __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + kp + i));
-      asm("" : "+x"(x1));
-      a10 = _mm256_add_epi32(a10, _mm256_madd_epi16(x1, _mm256_load_si256(wr)));
-      a11 = _mm256_add_epi32(a11, _mm256_madd_epi16(x1, _mm256_load_si256(wr + s)));
-      a12 = _mm256_add_epi32(a12, _mm256_madd_epi16(x1, _mm256_load_si256(wr + 2 * s)));
-      a13 = _mm256_add_epi32(a13, _mm256_madd_epi16(x1, _mm256_load_si256(wr + 3 * s)));
+    // Widened weights from L1 as the multiply's memory operand, each input row loaded once into a
+    // register: 2 + 8 loads for 8 multiply-adds. (The empty asm keeps GCC from re-loading the
+    // input rows at every use instead, 14 loads, which measured ~25% slower.)
+    __m256i xv[MT];
+    for (int m = 0; m < MT; ++m) {
+      xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + m * kp + i));
+      asm("" : "+x"(xv[m]));
     }
+    for (int r = 0; r < 4; ++r)
+      for (int m = 0; m < MT; ++m)
+        acc[m][r] = _mm256_add_epi32(
+            acc[m][r], _mm256_madd_epi16(xv[m], _mm256_load_si256(reinterpret_cast<const __m256i*>(w + r * kp + i))));
   }
-  {
-    const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(a00, a01), _mm256_hadd_epi32(a02, a03));
-    sums[0] = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-  }
-  if constexpr (MT > 1) {
-    const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(a10, a11), _mm256_hadd_epi32(a12, a13));
-    sums[1] = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  for (int m = 0; m < MT; ++m) {  // the 8 lanes of each column -> one integer per column
+    const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[m][0], acc[m][1]),
+                                        _mm256_hadd_epi32(acc[m][2], acc[m][3]));
+    sums[m] = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
   }
 }
 
