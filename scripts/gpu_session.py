@@ -2,8 +2,9 @@
 that a 2-core CPU cannot do in a session. Each part writes its results under OUT as it ends, so a
 part that runs out of time loses only itself.
 
-    python scripts/gpu_session.py smoke    --out OUT             every drafter, trees, sampling and a
-                                                                 training step on tiny random models
+    python scripts/gpu_session.py smoke    --out OUT             every drafter, trees, sampling, and
+                                                                 train-draft's two kinds, on tiny random
+                                                                 models
     python scripts/gpu_session.py identity --model M --out OUT   greedy identity on CUDA, every drafter
     python scripts/gpu_session.py costs    --model M --out OUT   a verify pass over T tokens / one token
     python scripts/gpu_session.py train    --model M --out OUT   an EAGLE head, data and training sized
@@ -15,9 +16,9 @@ one seeded sampled run per drafter (it must run; exactness of sampling is the CP
 chi-square test). `costs`: the time of a target pass over T = 1..10 new tokens after a 300-token
 context, CUDA events, median of many, relative to T = 1 (the engine's DEFAULT_VERIFY_COSTS). `train`:
 `specdec train-draft`'s recipe (train.py) with the amounts chosen by the clock: seeds are continued in
-batches until the data budget is spent, then a few timed optimiser steps size the run to the
-training budget. The numbers it settled on are written into the head's eagle.json, so
-`specdec train-draft --device cuda` with them redoes it.
+batches (in a random order of batches, so a cut keeps seeds of every length) until the data budget
+is spent, then a few timed optimiser steps size the run to the training budget. What it settled on
+(seeds continued, positions, steps) and the command are written into the head's eagle.json.
 """
 
 from __future__ import annotations
@@ -256,17 +257,17 @@ def train(args) -> None:
     head_dir.mkdir(parents=True, exist_ok=True)
     model, result, run_cfg = fit_for(steps, 0, head_dir)
     coverage = float(torch.isin(torch.cat(data.greedy), d2t).float().mean())
-    recipe = (f"specdec train-draft --target default --out DIR --device cuda --num-seeds {used} --gen-tokens "
-              f"{cfg.gen_tokens} --gen-batch {cfg.gen_batch} --depth {cfg.depth} --batch-tokens {cfg.batch_tokens} "
-              f"--lr {cfg.lr} --draft-vocab {cfg.draft_vocab} --steps {steps}")
-    info = {"training": {"target": "default", "config": dataclasses.asdict(dataclasses.replace(run_cfg, num_seeds=used)),
+    recipe = (f"python scripts/gpu_session.py train --model {args.model} --data-seconds {args.data_seconds:g} "
+              f"--train-seconds {args.train_seconds:g} --max-seeds {args.max_seeds} --gen-tokens {cfg.gen_tokens} "
+              f"--gen-batch {cfg.gen_batch} --depth {cfg.depth} --batch-tokens {cfg.batch_tokens} --lr {cfg.lr:g} "
+              f"--draft-vocab {cfg.draft_vocab}: {used} of {len(seeds)} seeds continued, {steps} steps")
+    info = {"training": {"target": args.model, "config": dataclasses.asdict(dataclasses.replace(run_cfg, num_seeds=used)),
                          "steps_done": result.steps_done, "sequences": len(data.tokens), "positions": positions,
                          "sub_vocab_coverage": round(coverage, 4), "data_s": round(data_s),
                          "train_s_this_run": round(result.seconds),
                          "final_stats": {k: round(v, 4) for k, v in result.stats.items()},
                          "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
-                         "recipe": recipe + f" (scripts/gpu_session.py train: the seeds and steps its budgets gave; "
-                                            f"data {data_s:.0f} s, training {result.seconds:.0f} s)"}}
+                         "recipe": recipe + f" (data {data_s:.0f} s, training {result.seconds:.0f} s)"}}
     model.save(head_dir, info)
     (head_dir / "checkpoint.pt").unlink(missing_ok=True)
     print(json.dumps(info), flush=True)
