@@ -204,11 +204,7 @@ def train(args) -> None:
     cfg = tr.TrainConfig(num_seeds=args.max_seeds, gen_tokens=args.gen_tokens, gen_batch=args.gen_batch,
                          depth=args.depth, batch_tokens=args.batch_tokens, lr=args.lr, draft_vocab=args.draft_vocab,
                          checkpoint_every=10**9)
-    rng = random.Random(cfg.seed)
-    bos = [tcfg.bos_token_id] if tcfg.bos_token_id is not None else []
-    encoded = [tokenizer.encode(s) for s in tr.build_seeds(cfg.num_seeds, rng)]
-    seeds = [(e if e[:1] == bos else bos + e)[: cfg.max_seed_tokens] for e in encoded]
-    seeds.sort(key=len)
+    seeds = tr.encode_seeds(tcfg, tokenizer, cfg, random.Random(cfg.seed))
     batches = [seeds[i:i + cfg.gen_batch] for i in range(0, len(seeds), cfg.gen_batch)]
     random.Random(1).shuffle(batches)  # a budget cut then keeps every length of seed
     data = tr.DistillData([], [], [])

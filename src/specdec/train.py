@@ -652,6 +652,21 @@ def _checkpoint(out: Path, resume: bool) -> dict | None:
     return torch.load(path) if resume and path.is_file() else None
 
 
+def encode_seeds(tcfg, tokenizer, cfg: TrainConfig, rng: random.Random) -> list[list[int]]:
+    """`cfg.num_seeds` seeds as the target reads them (`build_seeds`, encoded, BOS first, cut at
+    `cfg.max_seed_tokens`; random ids for a target without a tokenizer), shortest first: similar
+    lengths share a generation batch, so a batch's cache is smaller."""
+    if tokenizer is not None:
+        bos = [tcfg.bos_token_id] if tcfg.bos_token_id is not None else []
+        encoded = [tokenizer.encode(s) for s in build_seeds(cfg.num_seeds, rng)]
+        # The engine feeds `encode`'s ids as they are; add BOS only where encode does not.
+        seed_ids = [(e if e[:1] == bos else bos + e)[: cfg.max_seed_tokens] for e in encoded]
+    else:  # a weights-only model: random ids, one to max_seed_tokens long
+        seed_ids = [[rng.randrange(tcfg.vocab_size) for _ in range(rng.randint(4, min(16, cfg.max_seed_tokens)))]
+                    for _ in range(cfg.num_seeds)]
+    return sorted((s for s in seed_ids if s), key=len)
+
+
 def distillation_data(target, tokenizer, out: Path, cfg: TrainConfig, resume: bool, log=print) -> DistillData:
     """OUT/data.pt when resuming and it is there, else the target's continuations of the seeds
     (saved to OUT/data.pt)."""
@@ -665,16 +680,7 @@ def distillation_data(target, tokenizer, out: Path, cfg: TrainConfig, resume: bo
     if tokenizer is None and cfg.text_positions > 0:
         raise InvalidRequestError("--text-positions needs a target with a tokenizer: it reads text", "text_positions")
     rng = random.Random(cfg.seed)
-    if tokenizer is not None:
-        bos = [tcfg.bos_token_id] if tcfg.bos_token_id is not None else []
-        encoded = [tokenizer.encode(s) for s in build_seeds(cfg.num_seeds, rng)]
-        # The engine feeds `encode`'s ids as they are; add BOS only where encode does not.
-        seed_ids = [(e if e[:1] == bos else bos + e)[: cfg.max_seed_tokens] for e in encoded]
-    else:  # a weights-only model: random ids, one to max_seed_tokens long
-        seed_ids = [[rng.randrange(tcfg.vocab_size) for _ in range(rng.randint(4, min(16, cfg.max_seed_tokens)))]
-                    for _ in range(cfg.num_seeds)]
-    seed_ids = [s for s in seed_ids if s]
-    seed_ids.sort(key=len)  # similar lengths share a batch: less cache per batch
+    seed_ids = encode_seeds(tcfg, tokenizer, cfg, rng)
     bar = _bar(len(seed_ids), "generating")
     data = generate_data(target, seed_ids, cfg.gen_tokens, cfg.gen_batch,
                          progress=lambda done, total: bar.update(done - bar.n))
