@@ -326,15 +326,15 @@ def choose_d2t(data: DistillData, vocab: int, size: int, always: tuple[int, ...]
 # -- the training loss ---------------------------------------------------------------------------
 
 
-def unrolled_visibility(t: int, depth: int) -> Tensor:
+def unrolled_visibility(t: int, depth: int, device=None) -> Tensor:
     """[T, depth * T] bool: which slots a depth-`depth` query at entry a sees.
 
     Slots are [depth-1 entries | depth-2 entries | ...], T each. A depth-d chain starting from the
     true-feature entry a - d + 1 is what draft step d sees: true entries 0..a-d+1, then the chain's
     entries at depth d' (2 <= d' <= d) at index a - (d - d').
     """
-    a = torch.arange(t)[:, None]
-    b = torch.arange(t)[None, :]
+    a = torch.arange(t, device=device)[:, None]
+    b = torch.arange(t, device=device)[None, :]
     parts = [b <= a - depth + 1]
     for d2 in range(2, depth + 1):
         parts.append(b == a - (depth - d2))
@@ -369,7 +369,7 @@ def sequence_loss(model, tokens: Tensor, feats: Tensor, depth: int, feat_scale: 
     inp = feats[:-1][None]  # [1, T, h]
     total, stats = 0.0, {}
     for d in range(1, depth + 1):
-        visible = unrolled_visibility(t, d).to(feats.device)[None, None]  # [1, 1, T, d*T]
+        visible = unrolled_visibility(t, d, feats.device)[None, None]  # [1, 1, T, d*T]
         x = head(inp, model.embed(x_in), positions, cache, visible=visible)
         pred = model.target.norm(x)[0]  # [T, h]
         valid = slice(d - 1, t)  # entries with a full chain behind them
