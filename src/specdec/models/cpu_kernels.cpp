@@ -27,6 +27,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -783,61 +784,71 @@ at::Tensor argmax_rows(at::Tensor x) {
 // -- attention for a few queries ---------------------------------------------------------------
 //
 // softmax(q k^T * scale) v over the visible cache slots, for decode and verify blocks. Each query
-// row is computed by itself, in an order fixed by the slots alone: the slots are cut into chunks
-// of kChunk at fixed indices, each chunk gives (its max m_c, sum l_c of exp(score - m_c), and
+// row's result is computed in an order fixed by the slots it sees alone: the slots are cut into
+// chunks of kChunk at fixed indices, each chunk gives (its max m_c, sum l_c of exp(score - m_c), and
 // acc_c = the exp-weighted sum of its values), and the chunks merge in index order. So a query's
 // result depends only on its own row and the slots it sees, never on the other queries in the call:
 // a verify pass over k + 1 tokens computes what k + 1 one-token passes compute, bit for bit.
 // (PyTorch's SDPA blocks its queries, so a row's rounding depended on the block.)
+//
+// Several query rows share one work item (up to kRowsPerItem rows of a chunk, all the heads that
+// read one key head): their scores are taken together over the union of the slots any of them sees,
+// so each key row is loaded once for all of them. A slot a row does not see gets probability 0
+// there, and adding 0 * v leaves its sums as they were, bit for bit (cache values are finite): the
+// row's result is what its own slots alone give.
 
-constexpr int64_t kChunk = 128;
+// 64 slots a chunk: a 300-slot context gives 5 work items per key head for a one-token step, which
+// the two threads here share 3 : 2; with 128-slot chunks it was 2 : 1, with the last chunk short.
+constexpr int64_t kChunk = 64;
+constexpr int64_t kRowsPerItem = 4;
 
-// dot(a, b) over d floats, in a fixed order (four 8-wide partial sums, then lanes in order).
-inline float dot_fixed(const float* a, const float* b, int64_t d) {
-  int64_t i = 0;
-  float total = 0.0f;
+// The dot products of 4 query vectors with one key row over d inputs. Each dot runs two 8-lane
+// chains of fused multiply-adds, one over the even 8-input blocks (0-7, 16-23, ...), one over the odd
+// ones, over the first d - d % 8 inputs; the chains add lane by lane, the lanes then add as
+// ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), and the last d % 8 inputs follow one product and one add
+// at a time. out[h] = q[h] . k. Every dot takes the same operations in the same order whatever the
+// other three are, so a score never depends on which queries share the call. The key row is read
+// once, front to back, for the four: its 64-byte lines stream in order, which keeps a cold key
+// cache (one layer's keys are evicted by the weights that stream between two of its passes) at
+// the memory's speed. Two key rows a call, read interleaved, ran faster from the cache and slower
+// from memory (BENCHMARKS.md, 2026-12-05, night II).
+inline void scores_4x1(const float* const* q, const float* k, int64_t d, float* out) {
+  const int64_t d8 = d - d % 8, d16 = d - d % 16;
 #if defined(__AVX2__)
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (; i + 32 <= d; i += 32)
-    for (int j = 0; j < 4; ++j)
-      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * j), _mm256_loadu_ps(b + i + 8 * j), acc[j]);
-  const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sum);
-  for (int j = 0; j < 8; ++j) total += lanes[j];
-#endif
-  for (; i < d; ++i) total += a[i] * b[i];
-  return total;
-}
-
-// dot_fixed(qa, k) and dot_fixed(qb, k) together (the same operations per dot, in the same order,
-// two independent chains sharing the loads of k).
-inline void dot_fixed2(const float* qa, const float* qb, const float* k, int64_t d, float* da, float* db) {
-#if defined(__AVX2__)
-  if (d % 32 == 0) {
-    __m256 a[4], b[4];
-    for (int j = 0; j < 4; ++j) a[j] = b[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 32)
-      for (int j = 0; j < 4; ++j) {
-        const __m256 kv = _mm256_loadu_ps(k + i + 8 * j);
-        a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qa + i + 8 * j), kv, a[j]);
-        b[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qb + i + 8 * j), kv, b[j]);
-      }
-    alignas(32) float la[8], lb[8];
-    _mm256_store_ps(la, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
-    _mm256_store_ps(lb, _mm256_add_ps(_mm256_add_ps(b[0], b[1]), _mm256_add_ps(b[2], b[3])));
-    float ta = 0.0f, tb = 0.0f;
-    for (int j = 0; j < 8; ++j) {
-      ta += la[j];
-      tb += lb[j];
+  __m256 even[4], odd[4];
+  for (int h = 0; h < 4; ++h) even[h] = odd[h] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d16; i += 16) {
+    const __m256 x0 = _mm256_loadu_ps(k + i), x1 = _mm256_loadu_ps(k + i + 8);
+    for (int h = 0; h < 4; ++h) {
+      even[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + i), x0, even[h]);
+      odd[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + i + 8), x1, odd[h]);
     }
-    *da = ta;
-    *db = tb;
-    return;
+  }
+  if (d8 > d16) {
+    const __m256 x0 = _mm256_loadu_ps(k + d16);
+    for (int h = 0; h < 4; ++h) even[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + d16), x0, even[h]);
+  }
+  __m256 c[4];
+  for (int h = 0; h < 4; ++h) c[h] = _mm256_add_ps(even[h], odd[h]);
+  // hadd adds neighbouring lanes within each 128-bit half: after two rounds lane h of the low half
+  // holds (0 + 1) + (2 + 3) of dot h, of the high half (4 + 5) + (6 + 7); the halves then add.
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(c[0], c[1]), _mm256_hadd_ps(c[2], c[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+#else
+  for (int h = 0; h < 4; ++h) {
+    float even[8] = {0, 0, 0, 0, 0, 0, 0, 0}, odd[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < d8; i += 8)
+      for (int l = 0; l < 8; ++l) {
+        float& acc = (i - i / 16 * 16) == 0 ? even[l] : odd[l];
+        acc = std::fma(q[h][i + l], k[i + l], acc);
+      }
+    float c[8];
+    for (int l = 0; l < 8; ++l) c[l] = even[l] + odd[l];
+    out[h] = ((c[0] + c[1]) + (c[2] + c[3])) + ((c[4] + c[5]) + (c[6] + c[7]));
   }
 #endif
-  *da = dot_fixed(qa, k, d);
-  *db = dot_fixed(qb, k, d);
+  for (int h = 0; h < 4; ++h)
+    for (int64_t i = d8; i < d; ++i) out[h] += q[h][i] * k[i];
 }
 
 // exp(x[j] - m) for j < n into out (n rounded up to 8 may be written), by `exp_lanes` /
@@ -927,33 +938,55 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
     hi = std::max(hi, s1);
   }
   const int64_t group = heads / kv_heads, first = lo / kChunk, chunks = hi < lo ? 0 : hi / kChunk - first + 1;
+  // The block's rows in near-equal groups of at most kRowsPerItem (9 -> 3 + 3 + 3).
+  const int64_t row_groups = (t + kRowsPerItem - 1) / kRowsPerItem;
+  auto group_rows = [&](int64_t g, int64_t* r0, int64_t* r1) {
+    *r0 = g * t / row_groups;
+    *r1 = (g + 1) * t / row_groups;
+  };
   auto out = at::empty({b, t, heads * d}, q.options());
-  // Per (query row, head, chunk): max, sum of exps, and the exp-weighted values.
-  std::vector<float> part_m(b * t * heads * chunks), part_l(b * t * heads * chunks);
-  std::vector<float> part_acc(b * t * heads * chunks * d);
+  // Per (query row, head, chunk): max, sum of exps, and the exp-weighted values. Every entry is
+  // written by its work item, so the buffers need no zeroing.
+  const int64_t parts = b * t * heads * chunks;
+  std::unique_ptr<float[]> part_m(new float[parts]), part_l(new float[parts]), part_acc(new float[parts * d]);
   const float* qs = q.data_ptr<float>();
   const float* ks = cache_k.data_ptr<float>();
   const float* vs = cache_v.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const int64_t k_stride = cache_k.stride(2), v_stride = cache_v.stride(2);
-  // Work items: (batch row, kv head, chunk, query row), each for the group of heads that read that
-  // kv head (their scores two heads at a time, sharing the key loads). The query rows of one chunk
-  // follow each other, so its keys and values (256 KB for Gemma 3) are read from memory once and
-  // from the core's cache for the other rows of a verify block.
-  at::parallel_for(0, b * kv_heads * t * chunks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(group * kChunk), probs(group * kChunk);
-    std::vector<int64_t> seen(kChunk);
+  // Work items: (batch row, kv head, chunk, row group), each for the heads that read that kv head.
+  // The row groups of one chunk follow each other, so its keys and values (128 KB for Gemma 3) come
+  // from memory once and from the core's cache for the other rows of a verify block.
+  at::parallel_for(0, b * kv_heads * chunks * row_groups, 1, [&](int64_t i0, int64_t i1) {
+    const int64_t most = kRowsPerItem * group;  // query vectors an item scores
+    std::vector<float> scores(most * kChunk), probs(most * kChunk);
+    std::vector<int64_t> seen(kChunk + 1);
+    std::vector<const float*> qv(most + 3);
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t ti = item % t, c = (item / t) % chunks, kv = (item / (chunks * t)) % kv_heads,
-                    bi = item / (chunks * t * kv_heads);
+      const int64_t rg = item % row_groups, c = (item / row_groups) % chunks,
+                    kv = (item / (row_groups * chunks)) % kv_heads, bi = item / (row_groups * chunks * kv_heads);
+      int64_t r0, r1;
+      group_rows(rg, &r0, &r1);
       const int64_t s0 = (first + c) * kChunk, s1 = std::min(span, s0 + kChunk);
       const float* kbase = ks + bi * cache_k.stride(0) + kv * cache_k.stride(1);
       const float* vbase = vs + bi * cache_v.stride(0) + kv * cache_v.stride(1);
-      const bool* row_vis = vis + (bi * t + ti) * span;
+      const bool* block_vis = vis + bi * t * span;
+      // The slots any of the rows sees, in order.
       int64_t n = 0;
       for (int64_t s = s0; s < s1; ++s)
-        if (row_vis[s]) seen[n++] = s;
-      const float* q0 = qs + ((bi * heads + kv * group) * t + ti) * d;  // head kv * group + g at q0 + g t d
+        for (int64_t r = r0; r < r1; ++r)
+          if (block_vis[r * span + s]) {
+            seen[n++] = s;
+            break;
+          }
+      // Query vector i = (row r0 + i / group, head kv * group + i % group); padded to a multiple
+      // of 4 by repeating the last (their scores are not kept).
+      const int64_t nq = (r1 - r0) * group;
+      for (int64_t i = 0; i < nq; ++i)
+        qv[i] = qs + ((bi * heads + kv * group + i % group) * t + r0 + i / group) * d;
+      for (int64_t i = nq; i < nq + 3; ++i) qv[i] = qv[nq - 1];
+      // Scores, one slot at a time for up to four queries.
+      float tile[4];
       for (int64_t j = 0; j < n; ++j) {
         const float* krow = kbase + seen[j] * k_stride;
 #if defined(__AVX2__)
@@ -962,46 +995,56 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
         const char* vrow = reinterpret_cast<const char*>(vbase + seen[j] * v_stride);
         for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(float)); byte += 64) _mm_prefetch(vrow + byte, _MM_HINT_T1);
 #endif
-        int64_t g = 0;
-        for (; g + 2 <= group; g += 2)
-          dot_fixed2(q0 + g * t * d, q0 + (g + 1) * t * d, krow, d, &scores[g * kChunk + j], &scores[(g + 1) * kChunk + j]);
-        if (g < group) scores[g * kChunk + j] = dot_fixed(q0 + g * t * d, krow, d);
+        for (int64_t i = 0; i < nq; i += 4) {
+          scores_4x1(qv.data() + i, krow, d, tile);
+          for (int64_t h = 0; h < 4 && i + h < nq; ++h) scores[(i + h) * kChunk + j] = tile[h];
+        }
       }
-      const int64_t part0 = ((bi * t + ti) * heads + kv * group) * chunks + c;  // head g: part0 + g chunks
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * kChunk;
-        float* pg = probs.data() + g * kChunk;
+      // Each query's softmax over the slots its row sees; the others get probability 0.
+      for (int64_t i = 0; i < nq; ++i) {
+        const bool* row_vis = block_vis + (r0 + i / group) * span;
+        float* sg = scores.data() + i * kChunk;
+        float* pg = probs.data() + i * kChunk;
         float m = -INFINITY;
         for (int64_t j = 0; j < n; ++j) {
           sg[j] *= sc;
-          m = std::max(m, sg[j]);
+          if (row_vis[seen[j]]) m = std::max(m, sg[j]);
         }
-        exp_shifted(sg, m, n, pg);
         float l = 0.0f;
-        for (int64_t j = 0; j < n; ++j) l += pg[j];
-        part_m[part0 + g * chunks] = m;  // -inf when the row sees no slot of this chunk (then l = 0, acc = 0)
-        part_l[part0 + g * chunks] = l;
+        if (m != -INFINITY) {
+          exp_shifted(sg, m, n, pg);
+          for (int64_t j = 0; j < n; ++j) {
+            if (!row_vis[seen[j]]) pg[j] = 0.0f;
+            l += pg[j];
+          }
+        } else {
+          std::fill(pg, pg + n, 0.0f);  // the row sees nothing here: m = -inf, l = 0, acc = 0
+        }
+        const int64_t part = ((bi * t + r0 + i / group) * heads + kv * group + i % group) * chunks + c;
+        part_m[part] = m;
+        part_l[part] = l;
       }
-      // The exp-weighted values, four heads (then two, then one) per pass over the value rows.
-      int64_t g = 0;
+      // The exp-weighted values, four queries (then two, then one) per pass over the value rows.
       const float* p4[4];
       float* a4[4];
-      auto heads_from = [&](int64_t g0, int count) {
+      auto queries_from = [&](int64_t i0q, int count) {
         for (int h = 0; h < count; ++h) {
-          p4[h] = probs.data() + (g0 + h) * kChunk;
-          a4[h] = part_acc.data() + (part0 + (g0 + h) * chunks) * d;
+          const int64_t i = i0q + h;
+          p4[h] = probs.data() + i * kChunk;
+          a4[h] = part_acc.get() + (((bi * t + r0 + i / group) * heads + kv * group + i % group) * chunks + c) * d;
         }
       };
-      for (; g + 4 <= group; g += 4) {
-        heads_from(g, 4);
+      int64_t i = 0;
+      for (; i + 4 <= nq; i += 4) {
+        queries_from(i, 4);
         weighted_sum_heads<4>(p4, seen.data(), n, vbase, v_stride, a4, d);
       }
-      for (; g + 2 <= group; g += 2) {
-        heads_from(g, 2);
+      for (; i + 2 <= nq; i += 2) {
+        queries_from(i, 2);
         weighted_sum_heads<2>(p4, seen.data(), n, vbase, v_stride, a4, d);
       }
-      if (g < group) {
-        heads_from(g, 1);
+      if (i < nq) {
+        queries_from(i, 1);
         weighted_sum_heads<1>(p4, seen.data(), n, vbase, v_stride, a4, d);
       }
     }
@@ -1021,7 +1064,7 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
         if (part_m[r * chunks + c] == -INFINITY) continue;
         const float w = std::exp(part_m[r * chunks + c] - top);
         total += part_l[r * chunks + c] * w;
-        axpy(w, part_acc.data() + (r * chunks + c) * d, o, d);
+        axpy(w, part_acc.get() + (r * chunks + c) * d, o, d);
       }
       const float inv = 1.0f / total;
       for (int64_t i = 0; i < d; ++i) o[i] *= inv;
