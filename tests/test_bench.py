@@ -224,6 +224,41 @@ def test_summaries_compute_speedup_alpha_bound_and_identity():
     assert first_divergence([1, 2, 3], [1, 2, 3, 4]) == 3 and first_divergence([1, 5], [1, 2]) == 1
 
 
+def test_speedup_interval_is_a_bootstrap_over_prompts():
+    # Every prompt twice as fast: any draw of prompts gives 2.0, so the interval is [2, 2].
+    plain = [_run("plain", p, 1.0 + i, range(8)) for i, p in enumerate("abcd")]
+    fast = [_run("ngram", p, (1.0 + i) / 2, range(8)) for i, p in enumerate("abcd")]
+    low, high = R.speedup_interval(fast, plain)
+    assert low == pytest.approx(2.0) and high == pytest.approx(2.0)
+    # Prompts that gain differently: the interval holds the whole-run speedup and is seeded.
+    mixed = [_run("ngram", p, 1.0 / g, range(8)) for p, g in zip("abcd", (1.2, 1.5, 2.5, 3.0))]
+    flat = [_run("plain", p, 1.0, range(8)) for p in "abcd"]
+    low, high = R.speedup_interval(mixed, flat)
+    whole = 32 / sum(r.wall_s for r in mixed) / (32 / 4.0)
+    assert 1.2 <= low < whole < high <= 3.0
+    assert R.speedup_interval(mixed, flat) == (low, high)
+    # A prompt's repeats stay together; one prompt (or none in common) gives no interval.
+    assert R.speedup_interval(mixed[:1], flat) is None
+    assert R.speedup_interval(mixed, [_run("plain", "z", 1.0, range(8))]) is None
+
+
+def test_markdown_shows_the_interval_of_the_speedup():
+    plain = [_run("plain", p, 1.0, range(8), forwards=8, prefill=0.1) for p in "abc"]
+    spec = [_run("ngram", p, 1.0 / g, range(8), forwards=4, prefill=0.1) for p, g in zip("abc", (1.5, 2.0, 2.5))]
+    configs = C.parse_configs("plain,ngram")
+    baselines = {"plain": "plain", "ngram": "plain"}
+    result = BenchResult(Settings(), configs, baselines, {}, [PromptInfo(p, "g", 10) for p in "abc"],
+                         plain + spec, {}, "peak RSS", {})
+    summaries = R.summarize(result)
+    s = next(x for x in summaries if x.config == "ngram" and x.group == "all")
+    text = R.to_markdown(result, summaries)
+    interval = f"{s.speedup:.2f}x [{s.speedup_interval[0]:.2f}, {s.speedup_interval[1]:.2f}]"
+    assert f"| `ngram` | " in text and interval in text  # the table and the headline
+    assert text.count(interval) == 2
+    plain_row = next(x for x in summaries if x.config == "plain" and x.group == "all")
+    assert plain_row.speedup_interval is None  # the baseline against itself
+
+
 # -- a real run on a tiny model ------------------------------------------------------------------
 
 

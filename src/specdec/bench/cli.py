@@ -14,7 +14,8 @@ DEFAULT_PER_GROUP = 1  # 6 prompts x 128 tokens x 5 configurations: a few minute
 def add_arguments(parser) -> None:
     parser.description = (
         "Measure plain and speculative decoding (and installed peers) on Spec-Bench prompts, greedy, "
-        "interleaved after a warm-up. Prints a Markdown table; --json / --markdown / --plot save more.")
+        "interleaved after a warm-up. Prints a Markdown table (each speedup with its 95% bootstrap interval over "
+        "the prompts); --json / --markdown / --plot save more.")
     parser.add_argument("--model", default="default", help="target: HF folder or .gguf (default: Gemma 3 270M)")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help="comma-separated configurations, e.g. plain,ngram:k=5,suffix:k=5,draft:k=4,"

@@ -7,6 +7,10 @@ Definitions (the Markdown and the JSON use the same ones):
 - speedup: tokens/s over that of the configuration's baseline, plain decoding of the *same* target
   (dtype, quantisation) on the same prompts in the same run; peers are compared with plain
   decoding of the default target.
+- speedup interval: a 95% percentile bootstrap interval of the speedup over the prompts
+  (`speedup_interval`). A run's speedup depends on which prompts it drew: three prompts a group
+  give a wide interval, and two figures inside each other's interval are not told apart by the
+  prompts. The interval does not cover the machine's own drift between runs.
 - acceptance rate: accepted / drafted tokens. alpha: accepted / *verified* draft positions (a
   step verifies its accepted tokens and the first rejected one; positions after it were drafted
   but never tested), the per-token acceptance probability of Leviathan et al.'s model.
@@ -41,10 +45,14 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from ..errors import InvalidRequestError
 from .runner import BenchResult, Run
 
 ALL = "all"
+BOOTSTRAP_SAMPLES = 2000
+INTERVAL_LEVEL = 0.95
 
 
 def expected_tokens_per_step(alpha: float, k: float) -> float:
@@ -78,6 +86,7 @@ class Summary:
     wall_s: float
     tokens_per_s: float
     speedup: float | None = None
+    speedup_interval: tuple[float, float] | None = None  # 95% bootstrap over prompts
     bound: float | None = None
     bound_always_drafting: float | None = None
     mean_accepted_length: float | None = None
@@ -93,6 +102,39 @@ class Summary:
     compared: int | None = None
     first_divergence: int | None = None  # earliest differing token index over the runs
     peak_memory: int | None = None  # bytes, max over the runs
+
+
+def speedup_interval(runs: list[Run], base_runs: list[Run], samples: int = BOOTSTRAP_SAMPLES,
+                     level: float = INTERVAL_LEVEL, seed: int = 0) -> tuple[float, float] | None:
+    """A percentile bootstrap interval of the speedup (a ratio of summed tokens/s, see the module
+    doc) over the prompts: draw as many prompts as there are, with replacement, each bringing all
+    its runs of both configurations (its repeats too, so a prompt's runs stay paired), take the
+    speedup of the draw, and report the middle `level` of `samples` draws. Seeded, so a report
+    reproduces. None with fewer than 2 prompts run by both.
+    """
+    per: dict[str, list[float]] = {}  # prompt -> [tokens, wall, base tokens, base wall]
+    for r in runs:
+        row = per.setdefault(r.prompt_id, [0.0, 0.0, 0.0, 0.0])
+        row[0] += r.new_tokens
+        row[1] += r.wall_s
+    for r in base_runs:
+        if r.prompt_id in per:
+            per[r.prompt_id][2] += r.new_tokens
+            per[r.prompt_id][3] += r.wall_s
+    table = torch.tensor([row for row in per.values() if row[3] > 0 and row[2] > 0], dtype=torch.float64)  # [n, 4]
+    n = table.shape[0]
+    if n < 2:
+        return None
+    draws = torch.randint(n, (samples, n), generator=torch.Generator().manual_seed(seed))  # [samples, n]
+    sums = table[draws].sum(dim=1)  # [samples, 4]
+    ok = (sums[:, 1] > 0) & (sums[:, 0] > 0)
+    ratios = ((sums[:, 0] / sums[:, 1]) / (sums[:, 2] / sums[:, 3]))[ok].sort().values
+    if ratios.numel() == 0:
+        return None
+    tail = (1.0 - level) / 2
+    low = ratios[int(tail * (ratios.numel() - 1))]
+    high = ratios[int(round((1.0 - tail) * (ratios.numel() - 1)))]
+    return float(low), float(high)
 
 
 def _totals(runs: list[Run]) -> tuple[int, float]:
@@ -132,6 +174,8 @@ def _summary(c, group: str, runs: list[Run], base_runs: list[Run], base_label: s
     btok, bwall = _totals(base_runs)
     if base_runs and bwall > 0 and btok > 0 and s.tokens_per_s > 0:
         s.speedup = s.tokens_per_s / (btok / bwall)
+        if base_label != c.label:
+            s.speedup_interval = speedup_interval(runs, base_runs)
     if all(r.target_forwards is not None for r in runs) and tokens:
         s.forwards_per_token = sum(r.target_forwards for r in runs) / tokens
     peaks = [r.peak_memory for r in runs if r.peak_memory is not None]
@@ -182,13 +226,17 @@ def headline(result: BenchResult, summaries: list[Summary]) -> dict | None:
     vs = {label: best.tokens_per_s / s.tokens_per_s for label, s in overall.items()
           if family[label] != "specdec" and s.tokens_per_s > 0}
     return {"best": best.config, "tokens_per_s": best.tokens_per_s, "vs_own_plain": best.speedup,
-            "baseline": best.baseline, "vs_peers": vs}
+            "vs_own_plain_interval": best.speedup_interval, "baseline": best.baseline, "vs_peers": vs}
 
 
 # -- output --------------------------------------------------------------------------------------
 
 def _f(x, fmt: str, none: str = "–") -> str:
     return none if x is None else format(x, fmt)
+
+
+def _interval(interval: tuple[float, float] | None) -> str:
+    return "" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
 
 
 def _memory(n: int | None) -> str:
@@ -222,7 +270,9 @@ def to_markdown(result: BenchResult, summaries: list[Summary], command: str | No
         f"after {st.warmup} warm-up round(s)",
         "- tokens/s: new tokens / wall time of the whole generate call (prefill included); speedup: over "
         "plain decoding of the same target (dtype, quantisation) in the same run, peers over the default "
-        "target's plain; bound: Leviathan et al.'s expected speedup from the measured α, k and c",
+        "target's plain; [a, b]: its 95% bootstrap interval over the prompts (a run's figure depends on the "
+        "prompts drawn; the machine's drift is not in it); bound: Leviathan et al.'s expected speedup from "
+        "the measured α, k and c",
     ]
     if result.interrupted:
         lines.append(f"- **{result.interrupted}**")
@@ -230,7 +280,8 @@ def to_markdown(result: BenchResult, summaries: list[Summary], command: str | No
         lines.append(f"- skipped `{label}`: {why}")
     head = headline(result, summaries)
     if head:
-        parts = [f"{_f(head['vs_own_plain'], '.2f')}x its plain (`{head['baseline']}`)"]
+        parts = [f"{_f(head['vs_own_plain'], '.2f')}x{_interval(head['vs_own_plain_interval'])} its plain "
+                 f"(`{head['baseline']}`)"]
         parts += [f"{r:.2f}x `{label}`" for label, r in head["vs_peers"].items()]
         lines += ["", f"**Fastest specdec configuration: `{head['best']}`** at {head['tokens_per_s']:.1f} tokens/s: "
                   + ", ".join(parts) + "."]
@@ -239,7 +290,7 @@ def to_markdown(result: BenchResult, summaries: list[Summary], command: str | No
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for s in (s for s in summaries if s.group == ALL):
         lines.append(
-            f"| `{s.config}` | {s.target} | {s.tokens_per_s:.1f} | {_f(s.speedup, '.2f')}x | "
+            f"| `{s.config}` | {s.target} | {s.tokens_per_s:.1f} | {_f(s.speedup, '.2f')}x{_interval(s.speedup_interval)} | "
             f"{_f(s.bound, '.2f')}{'x' if s.bound is not None else ''} | {_f(s.mean_accepted_length, '.2f')} | "
             f"{_f(s.acceptance_rate, '.2f')} | {_f(s.alpha, '.2f')} | {_f(s.draft_length, '.1f')} | "
             f"{_f(s.cost_ratio, '.3f')} | {_f(s.step_cost, '.2f')} | {_f(s.forwards_per_token, '.2f')} | "
