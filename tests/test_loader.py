@@ -34,6 +34,30 @@ def test_streamed_writer_and_row_reader_round_trip(tmp_path):
         loader.write_safetensors(tmp_path / "bad.safetensors", specs, [table, norm, norm])
 
 
+def test_converting_load_reads_in_blocks_and_equals_to(tmp_path, monkeypatch):
+    # A load in another dtype converts a block of rows at a time (so a float32 table is never whole
+    # beside its bfloat16 copy); the values are .to(dtype)'s, bit for bit, whatever the block.
+    g = torch.Generator().manual_seed(1)
+    tensors = {"model.embed_tokens.weight": torch.randn(37, 5, generator=g) * 1e3,
+               "model.norm.weight": torch.randn(11, generator=g), "model.scale": torch.tensor(2.5)}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    stored = loader.read_safetensors_folder(tmp_path)
+    reads = []
+    real_read_into = loader.StoredTensor.read_into
+    monkeypatch.setattr(loader.StoredTensor, "read_into",
+                        lambda self, start, out: (reads.append(out.shape[0] if out.dim() else 0), real_read_into(self, start, out)))
+    monkeypatch.setattr(loader, "_CONVERT_BLOCK_BYTES", 4 * 5 * 8)  # 8 rows of the table a read
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        for name, tensor in tensors.items():
+            reads.clear()
+            got = stored[name.removeprefix("model.")].load(dtype)
+            assert got.dtype == dtype and torch.equal(got, tensor.to(dtype)), (name, dtype)
+            if name == "model.embed_tokens.weight":
+                assert reads == [8, 8, 8, 8, 5]  # 37 rows: four full blocks and a partial one
+    reads.clear()
+    assert torch.equal(stored["embed_tokens.weight"].load(), tensors["model.embed_tokens.weight"]) and reads == [37]
+
+
 def test_unreadable_safetensors_are_clear_errors(tmp_path):
     save_file({"model.norm.weight": torch.ones(1000)}, str(tmp_path / "m.safetensors"))
     data = (tmp_path / "m.safetensors").read_bytes()
