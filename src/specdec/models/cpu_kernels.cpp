@@ -839,7 +839,7 @@ inline void scores_4x1(const float* const* q, const float* k, int64_t d, float* 
     float even[8] = {0, 0, 0, 0, 0, 0, 0, 0}, odd[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t i = 0; i < d8; i += 8)
       for (int l = 0; l < 8; ++l) {
-        float& acc = (i - i / 16 * 16) == 0 ? even[l] : odd[l];
+        float& acc = i % 16 == 0 ? even[l] : odd[l];
         acc = std::fma(q[h][i + l], k[i + l], acc);
       }
     float c[8];
@@ -940,10 +940,6 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
   const int64_t group = heads / kv_heads, first = lo / kChunk, chunks = hi < lo ? 0 : hi / kChunk - first + 1;
   // The block's rows in near-equal groups of at most kRowsPerItem (9 -> 3 + 3 + 3).
   const int64_t row_groups = (t + kRowsPerItem - 1) / kRowsPerItem;
-  auto group_rows = [&](int64_t g, int64_t* r0, int64_t* r1) {
-    *r0 = g * t / row_groups;
-    *r1 = (g + 1) * t / row_groups;
-  };
   auto out = at::empty({b, t, heads * d}, q.options());
   // Per (query row, head, chunk): max, sum of exps, and the exp-weighted values. Every entry is
   // written by its work item, so the buffers need no zeroing.
@@ -960,13 +956,12 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
   at::parallel_for(0, b * kv_heads * chunks * row_groups, 1, [&](int64_t i0, int64_t i1) {
     const int64_t most = kRowsPerItem * group;  // query vectors an item scores
     std::vector<float> scores(most * kChunk), probs(most * kChunk);
-    std::vector<int64_t> seen(kChunk + 1);
+    std::vector<int64_t> seen(kChunk);
     std::vector<const float*> qv(most + 3);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t rg = item % row_groups, c = (item / row_groups) % chunks,
                     kv = (item / (row_groups * chunks)) % kv_heads, bi = item / (row_groups * chunks * kv_heads);
-      int64_t r0, r1;
-      group_rows(rg, &r0, &r1);
+      const int64_t r0 = rg * t / row_groups, r1 = (rg + 1) * t / row_groups;
       const int64_t s0 = (first + c) * kChunk, s1 = std::min(span, s0 + kChunk);
       const float* kbase = ks + bi * cache_k.stride(0) + kv * cache_k.stride(1);
       const float* vbase = vs + bi * cache_v.stride(0) + kv * cache_v.stride(1);
@@ -985,6 +980,8 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
       for (int64_t i = 0; i < nq; ++i)
         qv[i] = qs + ((bi * heads + kv * group + i % group) * t + r0 + i / group) * d;
       for (int64_t i = nq; i < nq + 3; ++i) qv[i] = qv[nq - 1];
+      // Query vector i's (row, head, chunk) entry in the partial results.
+      auto part_of = [&](int64_t i) { return ((bi * t + r0 + i / group) * heads + kv * group + i % group) * chunks + c; };
       // Scores, one slot at a time for up to four queries.
       float tile[4];
       for (int64_t j = 0; j < n; ++j) {
@@ -1020,18 +1017,16 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
         } else {
           std::fill(pg, pg + n, 0.0f);  // the row sees nothing here: m = -inf, l = 0, acc = 0
         }
-        const int64_t part = ((bi * t + r0 + i / group) * heads + kv * group + i % group) * chunks + c;
-        part_m[part] = m;
-        part_l[part] = l;
+        part_m[part_of(i)] = m;
+        part_l[part_of(i)] = l;
       }
       // The exp-weighted values, four queries (then two, then one) per pass over the value rows.
       const float* p4[4];
       float* a4[4];
       auto queries_from = [&](int64_t i0q, int count) {
         for (int h = 0; h < count; ++h) {
-          const int64_t i = i0q + h;
-          p4[h] = probs.data() + i * kChunk;
-          a4[h] = part_acc.get() + (((bi * t + r0 + i / group) * heads + kv * group + i % group) * chunks + c) * d;
+          p4[h] = probs.data() + (i0q + h) * kChunk;
+          a4[h] = part_acc.get() + part_of(i0q + h) * d;
         }
       };
       int64_t i = 0;
