@@ -43,11 +43,15 @@ def test_int8_linear_compiled_paths_equal_pytorch_path(kernels, out_features, in
         # and blocks of any size give the same rows.
         for i in range(len(x)):
             assert torch.equal(lin(x[i : i + 1])[0], compiled[i])
-        for n in (2, 3, 4, 5, 6, 7):  # each pass size of a verify block (up to 6 rows a pass)
-            assert torch.equal(lin(x[:n]), compiled[:n])
         long = torch.cat([x, torch.randn(70, in_features, generator=g)])  # a prefill-sized block
-        assert torch.equal(lin(long)[:9], compiled)
-        assert torch.equal(lin(long), lin.forward_rows(long))  # every row of the prefill's own kernel
+        full = lin(long)
+        assert torch.equal(full[:9], compiled)
+        assert torch.equal(full, lin.forward_rows(long))  # every row of the prefill's own kernel
+        # Each pass size of a verify block and the splits of longer ones (up to 6 rows a pass in the
+        # row-major kernel, 9 in the packed one), and a block that starts past the first row.
+        for n in range(2, 20):
+            assert torch.equal(lin(long[:n]), full[:n]), n
+        assert torch.equal(lin(long[7:40]), full[7:40])
     torch.testing.assert_close(compiled, x @ lin.int8_weight().float().T * lin.weight_scale + (lin.bias if bias else 0),
                                rtol=0, atol=2e-2 * float(x.abs().max()))  # and it is x @ W.T on the grid
 

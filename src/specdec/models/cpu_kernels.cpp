@@ -17,9 +17,10 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
-// AVX-512 with VNNI (AMD Zen 4, Intel Ice Lake and later): a prefill's int8 products take 32 inputs
-// a step in 512-bit registers (`vnni_sums`).
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// AVX-512 with VNNI (AMD Zen 4, Intel Ice Lake and later): Int8Linear's products run on packed
+// weights, 16 outputs a 512-bit register (`packed_linear`).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VNNI__)
 #define SPECDEC_VNNI 1
 #endif
 
@@ -27,6 +28,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -48,13 +50,12 @@ inline at::Tensor empty_with_last(const at::Tensor& x, int64_t n) {
   return at::empty(shape, x.options().dtype(at::kFloat));
 }
 
-// One row of x on the int16 grid of Int8Linear (see models/quant.py): s = max|x| / 63 (at least
-// FLT_MIN so a zero row stays zero), high = round(x / s), low = round((x / s - high) * 126), and
-// v = 126 high + low (|v| <= 8001) in v[0..k), v[k..kp) = 0 (padding). Returns c = s / 126.
-// Rounding is half to even, as torch.round. The AVX2 loop does the same float operations 8 lanes
-// at a time (the maximum is the same in any order; division, rounding and the products are per
-// element), so every v is the scalar loop's.
-inline float row_int16(const float* row, int64_t k, int64_t kp, int16_t* v) {
+// The int16 grid of Int8Linear (see models/quant.py), one row of x at a time: s = max|x| / 63 (at
+// least FLT_MIN so a zero row stays zero), high = round(x / s), low = round((x / s - high) * 126),
+// and x / s ~= high + low / 126. Rounding is half to even, as torch.round. The AVX2 lanes do the same
+// float operations as the scalar code (the maximum is the same in any order; division, rounding and
+// the products are per element), so every value is the scalar one's.
+inline float grid_scale(const float* row, int64_t k) {
   float peak = 0.0f;
   int64_t i = 0;
 #if defined(__AVX2__)
@@ -66,26 +67,45 @@ inline float row_int16(const float* row, int64_t k, int64_t kp, int16_t* v) {
   for (int j = 0; j < 8; ++j) peak = std::max(peak, lanes[j]);
 #endif
   for (; i < k; ++i) peak = std::max(peak, std::fabs(row[i]));
-  const float s = std::max(peak / kLevels, FLT_MIN);
-  i = 0;
+  return std::max(peak / kLevels, FLT_MIN);
+}
+
+inline void grid_one(float x, float s, int& high, int& low) {
+  const float y = x / s;
+  const float h = std::nearbyint(y);
+  high = static_cast<int>(h);
+  low = static_cast<int>(std::nearbyint((y - h) * (2 * kLevels)));
+}
+
 #if defined(__AVX2__)
-  const __m256 sv = _mm256_set1_ps(s), steps = _mm256_set1_ps(2 * kLevels);
-  const __m256i times = _mm256_set1_epi32(126);
+inline void grid_eight(const float* x, __m256 s, __m256i& high, __m256i& low) {
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m256 y = _mm256_div_ps(_mm256_loadu_ps(x), s);
+  const __m256 h = _mm256_round_ps(y, kNearest);
+  high = _mm256_cvtps_epi32(h);
+  low = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(y, h), _mm256_set1_ps(2 * kLevels)), kNearest));
+}
+#endif
+
+// One row as v = 126 high + low (|v| <= 8001) in v[0..k), v[k..kp) = 0 (padding). Returns c = s / 126.
+inline float row_int16(const float* row, int64_t k, int64_t kp, int16_t* v) {
+  const float s = grid_scale(row, k);
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const __m256 sv = _mm256_set1_ps(s);
+  const __m256i times = _mm256_set1_epi32(126);
   for (; i + 8 <= k; i += 8) {
-    const __m256 x = _mm256_div_ps(_mm256_loadu_ps(row + i), sv);
-    const __m256 high = _mm256_round_ps(x, kNearest);
-    const __m256 low = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(x, high), steps), kNearest);
-    const __m256i both = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_cvtps_epi32(high), times), _mm256_cvtps_epi32(low));
+    __m256i high, low;
+    grid_eight(row + i, sv, high, low);
+    const __m256i both = _mm256_add_epi32(_mm256_mullo_epi32(high, times), low);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(v + i),
                      _mm_packs_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1)));
   }
 #endif
   for (; i < k; ++i) {
-    const float x = row[i] / s;
-    const float high = std::nearbyint(x);
-    const float low = std::nearbyint((x - high) * (2 * kLevels));
-    v[i] = static_cast<int16_t>(static_cast<int>(high) * 126 + static_cast<int>(low));
+    int high, low;
+    grid_one(row[i], s, high, low);
+    v[i] = static_cast<int16_t>(high * 126 + low);
   }
   std::fill(v + k, v + kp, int16_t{0});
   return s / (2 * kLevels);
@@ -212,73 +232,6 @@ __attribute__((always_inline)) inline void direct_sums(const int8_t* w, const in
     }
 }
 
-#if defined(SPECDEC_VNNI)
-// The prefill's product on AVX-512 VNNI: up to 4 rows of v by 4 int8 weight rows, 32 inputs a step
-// in 512-bit registers, each widened weight multiplied and added into its int32 lanes by one
-// instruction (vpdpwssd, where AVX2 takes a multiply-add and an add). The integers are the same.
-// Measured here (2-core AMD EPYC, Zen 4), the 72 layer products of the default int8 model: 700
-// rows 618 -> 563 ms, 100 rows 78 -> 68 ms, 33 rows 29 -> 25 ms. Decode and verify blocks (1-17
-// rows) did not gain while their weights stream from memory (up to 7% slower), so they keep the
-// AVX2 kernel (BENCHMARKS.md, 2026-12-05 evening). While it runs it asks for the 4 kp bytes at
-// `ahead`, two cache lines a step. With the sums kept in place (below): 700 rows 538 -> 473 ms,
-// whole prefills 5-12% faster (BENCHMARKS.md, 2026-12-05 late).
-// The 16 sums are named variables, not an array, and the loop is the function's only writer of
-// them (the last 16 inputs of an odd kp go to fresh sums after the loop's are reduced). Written with
-// an array and the tail adding into the same sums, GCC 12 kept the sums in other registers than
-// the multiply-adds wrote and copied them back every step: 30 register copies per 16 multiply-adds.
-#define SPECDEC_DP4(A, m, x)                            \
-  A##m##0 = _mm512_dpwssd_epi32(A##m##0, x, w0);        \
-  A##m##1 = _mm512_dpwssd_epi32(A##m##1, x, w1);        \
-  A##m##2 = _mm512_dpwssd_epi32(A##m##2, x, w2);        \
-  A##m##3 = _mm512_dpwssd_epi32(A##m##3, x, w3);
-#define SPECDEC_SUM4(A, m, op)                          \
-  sums[m][0] op _mm512_reduce_add_epi32(A##m##0);       \
-  sums[m][1] op _mm512_reduce_add_epi32(A##m##1);       \
-  sums[m][2] op _mm512_reduce_add_epi32(A##m##2);       \
-  sums[m][3] op _mm512_reduce_add_epi32(A##m##3);
-template <int MT>
-__attribute__((always_inline)) inline void vnni_sums(const int8_t* w, const int16_t* v, int64_t kp, int64_t k0, int64_t k1,
-                                                      const int8_t* ahead, int32_t (&sums)[MT][4]) {
-  static_assert(MT >= 1 && MT <= 4, "vnni_sums: 1 to 4 rows");
-  const __m512i zero = _mm512_setzero_si512();
-  __m512i a00 = zero, a01 = zero, a02 = zero, a03 = zero, a10 = zero, a11 = zero, a12 = zero, a13 = zero;
-  __m512i a20 = zero, a21 = zero, a22 = zero, a23 = zero, a30 = zero, a31 = zero, a32 = zero, a33 = zero;
-  int64_t i = k0;
-  for (; i + 32 <= k1; i += 32) {
-    const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i)));
-    const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kp + i)));
-    const __m512i w2 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2 * kp + i)));
-    const __m512i w3 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 3 * kp + i)));
-    if (ahead != nullptr) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + 4 * i), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + 4 * i + 64), _MM_HINT_T0);
-    }
-    { const __m512i x = _mm512_loadu_si512(v + i); SPECDEC_DP4(a, 0, x) }
-    if constexpr (MT > 1) { const __m512i x = _mm512_loadu_si512(v + kp + i); SPECDEC_DP4(a, 1, x) }
-    if constexpr (MT > 2) { const __m512i x = _mm512_loadu_si512(v + 2 * kp + i); SPECDEC_DP4(a, 2, x) }
-    if constexpr (MT > 3) { const __m512i x = _mm512_loadu_si512(v + 3 * kp + i); SPECDEC_DP4(a, 3, x) }
-  }
-  SPECDEC_SUM4(a, 0, =)  // exact integers: any order of the lanes gives the same
-  if constexpr (MT > 1) { SPECDEC_SUM4(a, 1, =) }
-  if constexpr (MT > 2) { SPECDEC_SUM4(a, 2, =) }
-  if constexpr (MT > 3) { SPECDEC_SUM4(a, 3, =) }
-  if (i < k1) {  // the last 16 inputs (kp is a multiple of 16): the upper halves are zero
-    const __m512i w0 = _mm512_zextsi256_si512(widen(w + i)), w1 = _mm512_zextsi256_si512(widen(w + kp + i));
-    const __m512i w2 = _mm512_zextsi256_si512(widen(w + 2 * kp + i)), w3 = _mm512_zextsi256_si512(widen(w + 3 * kp + i));
-    __m512i b00 = zero, b01 = zero, b02 = zero, b03 = zero, b10 = zero, b11 = zero, b12 = zero, b13 = zero;
-    __m512i b20 = zero, b21 = zero, b22 = zero, b23 = zero, b30 = zero, b31 = zero, b32 = zero, b33 = zero;
-    auto x_at = [&](int m) {
-      return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + m * kp + i)));
-    };
-    { const __m512i x = x_at(0); SPECDEC_DP4(b, 0, x) SPECDEC_SUM4(b, 0, +=) }
-    if constexpr (MT > 1) { const __m512i x = x_at(1); SPECDEC_DP4(b, 1, x) SPECDEC_SUM4(b, 1, +=) }
-    if constexpr (MT > 2) { const __m512i x = x_at(2); SPECDEC_DP4(b, 2, x) SPECDEC_SUM4(b, 2, +=) }
-    if constexpr (MT > 3) { const __m512i x = x_at(3); SPECDEC_DP4(b, 3, x) SPECDEC_SUM4(b, 3, +=) }
-  }
-}
-#undef SPECDEC_DP4
-#undef SPECDEC_SUM4
-#endif
 
 // out[m, 0..min(NC, valid)) (row stride ldo) for MT rows by direct_sums and the scalar output formula.
 template <int MT, int NC>
@@ -288,11 +241,6 @@ __attribute__((always_inline)) inline void direct_tile(const int8_t* w, const in
   int32_t sums[MT][NC];
   double total[MT][NC] = {};
   for (int64_t k0 = 0; k0 < kp; k0 += kBlockK) {  // one block unless K > 2048
-#if defined(SPECDEC_VNNI)
-    if constexpr (NC == 4) {
-      vnni_sums<MT>(w, v, kp, k0, std::min(kp, k0 + kBlockK), k0 == 0 ? ahead : nullptr, sums);
-    } else
-#endif
     direct_sums<MT, NC>(w, v, kp, k0, std::min(kp, k0 + kBlockK), k0 == 0 ? ahead : nullptr, sums);
     for (int m = 0; m < MT; ++m)
       for (int r = 0; r < NC; ++r) total[m][r] += sums[m][r];
@@ -306,11 +254,10 @@ __attribute__((always_inline)) inline void direct_tile(const int8_t* w, const in
 // almost alone. Up to 6 rows a pass (12 accumulators for NC = 2): against 4, the model's products
 // of 5 and 9 rows (verify passes) took 5-10% less time, 6 rows ~3%, and 2-4 rows are unchanged
 // (BENCHMARKS.md, 2026-12-05 midday). Only the first pass asks for the weights `ahead`.
-// With VNNI (NC = 4: a prefill's `vnni_sums`), up to 4 rows a pass.
 template <int NC>
 inline void direct_rows(const int8_t* w, const int16_t* v, int64_t kp, int64_t m0, int64_t m1, const float* c,
                         const float* ws, const float* bias, float* out, int64_t ldo, int64_t valid, const int8_t* ahead) {
-  constexpr int64_t kMaxRows = NC == 4 ? 4 : 6;
+  constexpr int64_t kMaxRows = 6;
   const int64_t rows = m1 - m0, passes = (rows + kMaxRows - 1) / kMaxRows;
   int64_t m = m0;
   for (int64_t p = 0; p < passes; ++p) {
@@ -318,8 +265,8 @@ inline void direct_rows(const int8_t* w, const int16_t* v, int64_t kp, int64_t m
     const int16_t* vm = v + m * kp;
     float* om = out + m * ldo;
     switch (size) {
-      case 6: if constexpr (kMaxRows >= 6) direct_tile<6, NC>(w, vm, kp, c + m, ws, bias, om, ldo, valid, ahead); break;
-      case 5: if constexpr (kMaxRows >= 5) direct_tile<5, NC>(w, vm, kp, c + m, ws, bias, om, ldo, valid, ahead); break;
+      case 6: direct_tile<6, NC>(w, vm, kp, c + m, ws, bias, om, ldo, valid, ahead); break;
+      case 5: direct_tile<5, NC>(w, vm, kp, c + m, ws, bias, om, ldo, valid, ahead); break;
       case 4: direct_tile<4, NC>(w, vm, kp, c + m, ws, bias, om, ldo, valid, ahead); break;
       case 3: direct_tile<3, NC>(w, vm, kp, c + m, ws, bias, om, ldo, valid, ahead); break;
       case 2: direct_tile<2, NC>(w, vm, kp, c + m, ws, bias, om, ldo, valid, ahead); break;
@@ -363,6 +310,245 @@ __attribute__((always_inline)) inline void tile(const int16_t* w, const int16_t*
 }
 #endif
 
+#if defined(SPECDEC_VNNI)
+// -- The packed product (AVX-512 VNNI builds) --------------------------------------------------------
+// Where AVX-512 VNNI is built in, Int8Linear keeps its weights in blocks of 16 output rows (`int8_pack`):
+// block b holds, for each group g of 4 inputs, the 4 weights of each of its 16 rows side by side, 64
+// bytes with row 16b + l at bytes 4l..4l+3, and each weight stored as the unsigned byte w + 128.
+// One vpdpbusd then multiplies a whole group for 16 rows: unsigned weight bytes by 4 signed input
+// bytes broadcast to every lane, summed into 16 int32 lanes, one per output. The input is the same
+// int16 grid split into its two planes, high and low (both in [-63, 63]): per row and output,
+//   S = sum_i w_i v_i = 126 sum_i (w_i + 128) high_i + sum_i (w_i + 128) low_i - 128 sum_i v_i,
+// the same exact integer the row-major kernels compute, so the same output formula gives the same
+// bits. The lanes add in int32 and may wrap in between: S itself fits (|S| < 2^31 over a block of
+// 2048 inputs, above), so the wrapped arithmetic ends on it exactly.
+// Why: each output's sum builds up in its own lane, so no lane is summed across at the end, and no
+// weight is widened to 16 bits first. Measured here (2-core Zen 4), the default model's products
+// against the row-major kernels: 1-3 rows (decode) the same, 5 rows 18% and 9 rows 26% less time,
+// a 688-row prefill ~10% less (BENCHMARKS.md, 2026-12-06).
+constexpr int64_t kPackRows = 16;
+constexpr int64_t kPackedPassRows = 9;  // rows a pass: 18 sums + the weights in the 32 registers
+
+// In place: a row-major [N16, KP] int8 table (N16 a multiple of 16) into the packed layout above.
+at::Tensor int8_pack(at::Tensor q) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), "int8_pack: q must be contiguous int8");
+  const int64_t n16 = q.size(0), kp = q.size(1);
+  TORCH_CHECK(n16 % kPackRows == 0 && kp % 16 == 0, "int8_pack: q must be padded to [ceil16(N), ceil16(K)]");
+  int8_t* qs = q.data_ptr<int8_t>();
+  at::parallel_for(0, n16 / kPackRows, 64, [&](int64_t b0, int64_t b1) {
+    std::vector<int8_t> rows(kPackRows * kp);
+    for (int64_t b = b0; b < b1; ++b) {
+      int8_t* block = qs + b * kPackRows * kp;  // a block's rows occupy the same bytes in both layouts
+      std::copy(block, block + kPackRows * kp, rows.begin());
+      for (int64_t l = 0; l < kPackRows; ++l)
+        for (int64_t i = 0; i < kp; ++i)
+          block[(i / 4) * 64 + l * 4 + i % 4] = static_cast<int8_t>(static_cast<uint8_t>(rows[l * kp + i]) ^ 0x80);
+    }
+  });
+  return q;
+}
+
+// Row `r` of a packed table as int8 weights (kp of them) at `row`.
+inline void packed_row(const int8_t* q, int64_t kp, int64_t r, int8_t* row) {
+  const int8_t* block = q + (r / kPackRows) * kPackRows * kp + (r % kPackRows) * 4;
+  for (int64_t g = 0; g < kp / 4; ++g)
+    for (int j = 0; j < 4; ++j) row[4 * g + j] = static_cast<int8_t>(static_cast<uint8_t>(block[g * 64 + j]) ^ 0x80);
+}
+
+// A block's input rows for the packed product: words [kp / 4][n][2], the high then the low bytes
+// of row r's inputs 4g..4g+3 (the rows of one group side by side, so a pass of rows reads them at
+// fixed offsets from one pointer); c = s_r / 126; offset [n][blocks] = 128 * sum v over each
+// 2048-input block, as wrapped int32.
+struct PlaneRows {
+  std::vector<int32_t> words;
+  std::vector<float> c;
+  std::vector<int32_t> offset;
+  int64_t blocks = 1;
+};
+
+inline void input_planes(const at::Tensor& x, int64_t kp, PlaneRows& rows) {
+  const int64_t k = x.size(-1), n = x.numel() / k, groups = kp / 4;
+  rows.blocks = (kp + kBlockK - 1) / kBlockK;
+  rows.words.assign(groups * n * 2, 0);  // padding inputs stay 0: they add nothing
+  rows.c.resize(n);
+  rows.offset.resize(n * rows.blocks);
+  const float* xs = x.data_ptr<float>();
+  at::parallel_for(0, n, kParallelRows, [&](int64_t r0, int64_t r1) {
+    std::vector<int8_t> high(kp), low(kp);
+    std::vector<int64_t> block_v(rows.blocks);  // sum of v over each 2048-input block
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = xs + r * k;
+      const float s = grid_scale(row, k);
+      int64_t i = 0;
+      std::fill(block_v.begin(), block_v.end(), int64_t{0});
+      __m256i sums = _mm256_setzero_si256();  // per lane, within the current block
+      const __m256 sv = _mm256_set1_ps(s);
+      const __m256i times = _mm256_set1_epi32(126);
+      for (; i + 8 <= k; i += 8) {
+        __m256i h, l;
+        grid_eight(row + i, sv, h, l);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(high.data() + i), _mm256_cvtepi32_epi8(h));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(low.data() + i), _mm256_cvtepi32_epi8(l));
+        sums = _mm256_add_epi32(sums, _mm256_add_epi32(_mm256_mullo_epi32(h, times), l));
+        if ((i + 8) % kBlockK == 0) {  // |sum| <= 2048 * 8001 fits the lanes
+          alignas(32) int32_t lanes[8];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sums);
+          for (int j = 0; j < 8; ++j) block_v[i / kBlockK] += lanes[j];
+          sums = _mm256_setzero_si256();
+        }
+      }
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sums);
+      for (int j = 0; j < 8; ++j) block_v[(i > 0 ? i - 1 : 0) / kBlockK] += lanes[j];
+      for (; i < k; ++i) {
+        int h, l;
+        grid_one(row[i], s, h, l);
+        high[i] = static_cast<int8_t>(h);
+        low[i] = static_cast<int8_t>(l);
+        block_v[i / kBlockK] += h * 126 + l;
+      }
+      std::fill(high.begin() + k, high.end(), int8_t{0});
+      std::fill(low.begin() + k, low.end(), int8_t{0});
+      rows.c[r] = s / (2 * kLevels);
+      for (int64_t blk = 0; blk < rows.blocks; ++blk)
+        rows.offset[r * rows.blocks + blk] = static_cast<int32_t>(static_cast<uint32_t>(128 * block_v[blk]));
+      for (int64_t g = 0; g < groups; ++g) {
+        std::memcpy(&rows.words[(g * n + r) * 2], high.data() + 4 * g, 4);
+        std::memcpy(&rows.words[(g * n + r) * 2 + 1], low.data() + 4 * g, 4);
+      }
+    }
+  });
+}
+
+// S of MT rows (words at `a`, `stride` int32 from one group to the next) and the 16 outputs of the
+// packed block at p, over groups [g0, g1): sums[m] = 126 A_high + A_low - offset[m * blocks].
+// The running sums are named variables, and up to 4 rows keep a second set for the odd groups (more
+// chains in flight). The empty asm after each step pins the sums to registers: without it GCC 12
+// kept up to 6 of them on the stack from 4 rows on, loaded and stored every step (its partial
+// redundancy elimination, `-fno-tree-pre`, was the trigger).
+#define SPECDEC_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8)
+#define SPECDEC_STEP(m, H, L, w, at)                                                  \
+  if constexpr (MT > m) {                                                            \
+    H##m = _mm512_dpbusd_epi32(H##m, w, _mm512_set1_epi32((at)[2 * m]));              \
+    L##m = _mm512_dpbusd_epi32(L##m, w, _mm512_set1_epi32((at)[2 * m + 1]));          \
+    asm("" : "+v"(H##m), "+v"(L##m));                                                \
+  }
+#define SPECDEC_EVEN(m) SPECDEC_STEP(m, h, l, w, a)
+#define SPECDEC_ODD(m) SPECDEC_STEP(m, h2, l2, w2, a + stride)
+#define SPECDEC_SUM(m)                                                                                   \
+  if constexpr (MT > m) {                                                                               \
+    sums[m] = _mm512_sub_epi32(_mm512_add_epi32(_mm512_mullo_epi32(h##m, times), l##m),                 \
+                               _mm512_set1_epi32(offset[m * blocks]));                                  \
+  }
+template <int MT>
+__attribute__((always_inline)) inline void packed_sums(const int8_t* p, const int32_t* a, int64_t stride, int64_t g0,
+                                                        int64_t g1, const int32_t* offset, int64_t blocks, __m512i* sums) {
+  static_assert(MT >= 1 && MT <= kPackedPassRows, "packed_sums: 1 to 9 rows");
+  const __m512i zero = _mm512_setzero_si512(), times = _mm512_set1_epi32(126);
+#define SPECDEC_DECL(m) __m512i h##m = zero, l##m = zero;
+  SPECDEC_ROWS(SPECDEC_DECL)
+#undef SPECDEC_DECL
+  int64_t g = g0;
+  a += g0 * stride;
+  if constexpr (MT <= 4) {
+    __m512i h20 = zero, l20 = zero, h21 = zero, l21 = zero, h22 = zero, l22 = zero, h23 = zero, l23 = zero;
+    for (; g + 2 <= g1; g += 2, a += 2 * stride) {
+      const __m512i w = _mm512_loadu_si512(p + g * 64), w2 = _mm512_loadu_si512(p + g * 64 + 64);
+      SPECDEC_EVEN(0) SPECDEC_EVEN(1) SPECDEC_EVEN(2) SPECDEC_EVEN(3)
+      SPECDEC_ODD(0) SPECDEC_ODD(1) SPECDEC_ODD(2) SPECDEC_ODD(3)
+    }
+    h0 = _mm512_add_epi32(h0, h20), l0 = _mm512_add_epi32(l0, l20), h1 = _mm512_add_epi32(h1, h21), l1 = _mm512_add_epi32(l1, l21);
+    h2 = _mm512_add_epi32(h2, h22), l2 = _mm512_add_epi32(l2, l22), h3 = _mm512_add_epi32(h3, h23), l3 = _mm512_add_epi32(l3, l23);
+  }
+  for (; g < g1; ++g, a += stride) {
+    const __m512i w = _mm512_loadu_si512(p + g * 64);
+    SPECDEC_ROWS(SPECDEC_EVEN)
+  }
+  SPECDEC_ROWS(SPECDEC_SUM)
+}
+#undef SPECDEC_SUM
+#undef SPECDEC_EVEN
+#undef SPECDEC_ODD
+#undef SPECDEC_STEP
+#undef SPECDEC_ROWS
+
+// out[m, 0..valid) (row stride ldo) for MT rows against the packed block at p: the output formula of
+// `int8_output`, 16 lanes at a time (the same roundings lane by lane).
+template <int MT>
+inline void packed_tile(const int8_t* p, const PlaneRows& rows, int64_t n, int64_t m0, int64_t groups, const float* ws,
+                        const float* bias, float* out, int64_t ldo, int64_t valid) {
+  const int32_t* a = rows.words.data() + 2 * m0;
+  const int32_t* offset = rows.offset.data() + m0 * rows.blocks;
+  const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+  __m512 totals[MT];
+  __m512i sums[MT];
+  if (rows.blocks == 1) {  // one block: int32 -> float rounds as int32 -> double -> float does
+    packed_sums<MT>(p, a, 2 * n, 0, groups, offset, 1, sums);
+    for (int m = 0; m < MT; ++m) totals[m] = _mm512_cvtepi32_ps(sums[m]);
+  } else {
+    __m512d lo[MT], hi[MT];
+    for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm512_setzero_pd();
+    for (int64_t blk = 0; blk < rows.blocks; ++blk) {
+      const int64_t g0 = blk * kBlockK / 4;
+      packed_sums<MT>(p, a, 2 * n, g0, std::min(groups, g0 + kBlockK / 4), offset + blk, rows.blocks, sums);
+      for (int m = 0; m < MT; ++m) {
+        lo[m] = _mm512_add_pd(lo[m], _mm512_cvtepi32_pd(_mm512_castsi512_si256(sums[m])));
+        hi[m] = _mm512_add_pd(hi[m], _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(sums[m], 1)));
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      totals[m] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(lo[m])), _mm512_cvtpd_ps(hi[m]), 1);
+  }
+  const __m512 scales = _mm512_loadu_ps(ws);  // ws is padded to 16
+  const __m512 shift = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) {
+    __m512 o = _mm512_mul_ps(_mm512_mul_ps(totals[m], _mm512_set1_ps(rows.c[m0 + m])), scales);
+    if (bias != nullptr) o = _mm512_add_ps(o, shift);
+    _mm512_mask_storeu_ps(out + m * ldo, mask, o);
+  }
+}
+
+// y = Int8Linear(x) with packed weights: per block of 16 outputs, all rows in passes of near-equal
+// size (up to kPackedPassRows): the block's weights stay in the core's caches while every pass
+// reads them. (Asking for the next blocks' weights ahead, as the row-major kernels do, made 1-2
+// rows up to 15% slower here: the stream is regular enough for the hardware's own prefetch.)
+void packed_linear(const at::Tensor& x, const at::Tensor& q, const float* ws, const float* bias, float* out, int64_t n_out) {
+  const int64_t kp = q.size(1), n16 = q.size(0), groups = kp / 4, n = x.numel() / x.size(-1);
+  PlaneRows rows;
+  input_planes(x, kp, rows);
+  const int8_t* qs = q.data_ptr<int8_t>();
+  at::parallel_for(0, n16 / kPackRows, 2, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t col = b * kPackRows, valid = std::min(kPackRows, n_out - col);
+      const int8_t* p = qs + col * kp;
+      const int64_t passes = (n + kPackedPassRows - 1) / kPackedPassRows;
+      int64_t m = 0;
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const int64_t size = (n - m + (passes - pass) - 1) / (passes - pass);
+        const float* bcol = bias != nullptr ? bias + col : nullptr;
+        float* o = out + m * n_out + col;
+        switch (size) {
+#define SPECDEC_CASE(S) case S: packed_tile<S>(p, rows, n, m, groups, ws + col, bcol, o, n_out, valid); break;
+          SPECDEC_CASE(9) SPECDEC_CASE(8) SPECDEC_CASE(7) SPECDEC_CASE(6) SPECDEC_CASE(5)
+          SPECDEC_CASE(4) SPECDEC_CASE(3) SPECDEC_CASE(2)
+          default: packed_tile<1>(p, rows, n, m, groups, ws + col, bcol, o, n_out, valid); break;
+#undef SPECDEC_CASE
+        }
+        m += size;
+      }
+    }
+  });
+}
+constexpr int64_t kRowMultiple = kPackRows;
+#else
+constexpr int64_t kRowMultiple = 4;
+#endif
+
+// Whether Int8Linear's weights are packed in this build (`int8_pack`), and the multiple its rows are
+// padded to.
+bool int8_packed() { return kRowMultiple == 16; }
+int64_t int8_row_multiple() { return kRowMultiple; }
+
 // y = Int8Linear(x): x [..., K] float32; q [N4, KP] int8 (N and K zero-padded to multiples of 4 and
 // 16); ws [N4] float32; bias [N] or none; n_out = N. Returns [..., N]. Every output is the formula
 // above, so a row's result never depends on the other rows in the call.
@@ -371,8 +557,9 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor ws, c10::optional<
   TORCH_CHECK(x.scalar_type() == at::kFloat, "int8_linear: x must be float32");
   TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), "int8_linear: q must be contiguous int8");
   const int64_t kp = q.size(1), n4 = q.size(0);
-  TORCH_CHECK(kp % 16 == 0 && n4 % 4 == 0 && n_out <= n4 && n_out > n4 - 4, "int8_linear: q must be padded to [ceil4(N), ceil16(K)]");
-  TORCH_CHECK(ws.scalar_type() == at::kFloat && ws.is_contiguous() && ws.numel() == n4, "int8_linear: ws must be [ceil4(N)] float32");
+  TORCH_CHECK(kp % 16 == 0 && n4 % kRowMultiple == 0 && n_out <= n4 && n_out > n4 - kRowMultiple,
+              "int8_linear: q must be padded to [ceil", kRowMultiple, "(N), ceil16(K)]");
+  TORCH_CHECK(ws.scalar_type() == at::kFloat && ws.is_contiguous() && ws.numel() == n4, "int8_linear: ws must be padded as q's rows, float32");
   x = x.contiguous();
   const int64_t k = x.size(-1), n = x.numel() / k;
   TORCH_CHECK(k <= kp && k > kp - 16, "int8_linear: x and q differ in input size");
@@ -380,6 +567,10 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor ws, c10::optional<
   const float* bs = optional_data(bias, b);
   auto out = empty_with_last(x, n_out);
   if (n == 0) return out;
+#if defined(SPECDEC_VNNI)
+  packed_linear(x, q, ws.data_ptr<float>(), bs, out.data_ptr<float>(), n_out);
+  return out;
+#else
   GridRows grid;
   input_int16(x, kp, grid);
   const int16_t* v = grid.v;
@@ -388,7 +579,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor ws, c10::optional<
   const float* wss = ws.data_ptr<float>();
   float* os = out.data_ptr<float>();
   at::parallel_for(0, n4 / 4, 8, [&](int64_t t0, int64_t t1) {
-#if defined(__AVX2__) && !defined(SPECDEC_VNNI)
+#if defined(__AVX2__)
     // A block of more than kDirectRows rows (a prefill) uses each weight many times: widen a 4-row
     // tile once into a buffer (32-byte aligned for the loads). Fewer rows (decode and verify) widen
     // the int8 weights in registers as they go.
@@ -412,12 +603,6 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor ws, c10::optional<
           }
           continue;
         }
-#if defined(SPECDEC_VNNI)
-        // A prefill: the tile's 4 weight rows against the block's rows, 4 rows a pass (`vnni_sums`);
-        // the first pass asks for the tile two ahead.
-        const int8_t* ahead = w + 8 * kp;
-        direct_rows<4>(w, v, kp, m0, m1, c, wss + col, bcol, os + col, n_out, valid, ahead < qs + n4 * kp ? ahead : nullptr);
-#else
         // A prefill reuses each tile for up to kBlockM rows: one line two tiles ahead was faster
         // here than the whole next tile (688 rows: ~1.4 against ~1.7 s for the model's pass).
         _mm_prefetch(reinterpret_cast<const char*>(w + 8 * kp), _MM_HINT_T0);
@@ -428,7 +613,6 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor ws, c10::optional<
           tile<2>(wide, v + m * kp, kp, c + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
         if (m < m1)
           tile<1>(wide, v + m * kp, kp, c + m, wss + col, bcol, os + m * n_out + col, n_out, valid);
-#endif
 #else
         for (int64_t m = m0; m < m1; ++m)
           for (int64_t j = 0; j < valid; ++j) {
@@ -442,6 +626,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor ws, c10::optional<
     }
   });
   return out;
+#endif
 }
 
 // Chosen output columns of an Int8Linear, bit-identical to the same columns of its full output
@@ -474,9 +659,17 @@ at::Tensor int8_columns(at::Tensor x, at::Tensor q, at::Tensor ws, at::Tensor id
   const float* wss = ws.data_ptr<float>();
   float* os = out.data_ptr<float>();
   at::parallel_for(0, m, 256, [&](int64_t j0, int64_t j1) {
+#if defined(SPECDEC_VNNI)
+    std::vector<int8_t> row(kp);  // the packed table's row, gathered
+#endif
     for (int64_t j = j0; j < j1; ++j) {
+#if defined(SPECDEC_VNNI)
+      packed_row(qs, kp, is[j], row.data());
+      const int8_t* w = row.data();
+#else
       const int8_t* w = qs + is[j] * kp;
-#if defined(__AVX2__)
+#endif
+#if defined(__AVX2__) && !defined(SPECDEC_VNNI)
       if (j + 1 < j1) prefetch_weights(qs + is[j + 1] * kp, kp, qs + q.size(0) * kp);  // rows gathered: no stream to detect
 #endif
       for (int64_t r = 0; r < n; ++r) {
@@ -1120,6 +1313,11 @@ at::Tensor decoder_layer(at::Tensor x, std::vector<c10::optional<at::Tensor>> p,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "Int8Linear's matrix product on the int16 input grid");
   m.def("int8_columns", &int8_columns, "chosen output columns of an Int8Linear, bit-identical to its full output");
+  m.def("int8_packed", &int8_packed, "whether Int8Linear's weights are packed in 16-row blocks in this build");
+  m.def("int8_row_multiple", &int8_row_multiple, "the multiple Int8Linear's rows are padded to in this build");
+#if defined(SPECDEC_VNNI)
+  m.def("int8_pack", &int8_pack, "a padded row-major int8 table into the packed layout, in place");
+#endif
   m.def("rms_norm", &rms_norm, "RMSNorm with per-row-period weights");
   m.def("residual_norm", &residual_norm, "x + norm(y), and the norm of that sum");
   m.def("gated_activation", &gated_activation, "act(gate) * up from a fused gate/up projection");

@@ -118,13 +118,19 @@ class Int8Linear(Layer):
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         kernels = cpu_kernels.load()
         # The compiled kernels read the int8 rows zero-padded to [ceil4(N), ceil16(K)] (a padded
-        # input or output changes no sum); `int8_weight` is a view of them.
+        # input or output changes no sum), or, in builds with AVX-512 VNNI, to [ceil16(N), ceil16(K)]
+        # and packed in blocks of 16 rows (cpu_kernels.cpp, `int8_pack`; `_packed_rows`). `q` itself
+        # may be packed in place: it is this layer's from here on.
         self._q: Tensor | None = None
-        self._scale4 = scale
+        self._scale4 = scale  # the scales, padded as the rows
+        self._row_blocks = False  # whether `_q` is packed
         if kernels is not None:
-            n4, k16 = -(-n // 4) * 4, -(-k // 16) * 16
-            self._q = q if (n4, k16) == (n, k) else F.pad(q, (0, k16 - k, 0, n4 - n))
-            self._scale4 = scale if n4 == n else F.pad(scale, (0, n4 - n))
+            rows = kernels.int8_row_multiple()
+            n_pad, k16 = -(-n // rows) * rows, -(-k // 16) * 16
+            self._q = q if (n_pad, k16) == (n, k) else F.pad(q, (0, k16 - k, 0, n_pad - n))
+            self._scale4 = scale if n_pad == n else F.pad(scale, (0, n_pad - n))
+            if kernels.int8_packed():
+                self._q, self._row_blocks = kernels.int8_pack(self._q.contiguous()), True
         # fbgemm's kernel (weights packed with unit scales, so that its float sums are the exact
         # integers): the PyTorch path's product, packed here only where the compiled kernels are
         # missing (`_fbgemm` packs it on first use for the reference).
@@ -136,11 +142,19 @@ class Int8Linear(Layer):
         self._views: dict[int, Tensor] = {}  # its leading [1 + 2n] rows, by n
 
     def int8_weight(self) -> Tensor:
-        """The int8 values [N, K] (a tied embedding table reads the output head's through it)."""
-        if self._q is not None:
+        """The int8 values [N, K]: a view of the stored rows, or a copy where they are packed."""
+        if self._q is not None and not self._row_blocks:
             return self._q[: self.out_features, : self.in_features]
+        if self._q is not None:
+            return self.int8_rows(torch.arange(self.out_features))
         qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
         return qweight.int_repr()
+
+    def int8_rows(self, ids: Tensor) -> Tensor:
+        """The int8 values of rows `ids` (any shape) -> [*ids.shape, K], read from those rows only."""
+        if self._q is not None:
+            return stored_rows(self._q, self._row_blocks, ids, self.in_features)
+        return self.int8_weight()[ids]
 
     def _fbgemm(self):
         if self._packed is None:  # the compiled path alone never needs it: made for the reference
@@ -223,21 +237,35 @@ def _pack_unit_scales(q: Tensor):
     return torch.ops.quantized.linear_prepack(packed, None)
 
 
+def stored_rows(q: Tensor, row_blocks: bool, ids: Tensor, k: int) -> Tensor:
+    """Rows `ids` of a stored int8 table `q` as int8 [*ids.shape, k]: `q` row-major, or packed in
+    blocks of 16 rows (`row_blocks`; cpu_kernels.cpp, `int8_pack`): there row r's inputs 4g..4g+3 are
+    the 4 bytes at lane r % 16 of group g of block r // 16, each stored as w + 128 (w ^ 0x80)."""
+    if not row_blocks:
+        return q[ids, :k]
+    blocks = q.view(q.shape[0] // 16, q.shape[1] // 4, 16, 4)
+    rows = blocks[ids // 16, :, ids % 16]  # [*ids.shape, K / 4, 4]
+    return rows.flatten(-2)[..., :k].bitwise_xor(-128)
+
+
 def linear_rows(linear: nn.Module, ids: Tensor) -> Tensor:
     """Rows `ids` of a linear layer's weight [len(ids), in], float or int8 (then dequantised)."""
     if isinstance(linear, Int8Linear):
-        return linear.int8_weight()[ids].float() * linear.weight_scale[ids, None]
+        return linear.int8_rows(ids).float() * linear.weight_scale[ids, None]
     return linear.weight.detach()[ids]
 
 
 class Int8Embedding(Layer):
     """Embedding rows stored as int8 with a per-row scale, dequantised on lookup."""
 
-    def __init__(self, q: Tensor, scale: Tensor):  # q: [vocab, hidden] int8; scale: [vocab]
+    def __init__(self, q: Tensor, scale: Tensor, row_blocks: bool = False, dim: int | None = None):
+        """q: [vocab, hidden] int8, or an Int8Linear's stored table (padded; packed where
+        `row_blocks`) with the hidden size `dim`; scale: [vocab]."""
         super().__init__()
         self.register_buffer("q", q, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
-        self.num_embeddings, self.embedding_dim = q.shape
+        self.num_embeddings, self.embedding_dim = scale.shape[0], dim or q.shape[1]
+        self.row_blocks = row_blocks
 
     @property
     def weight(self) -> Tensor:
@@ -245,7 +273,7 @@ class Int8Embedding(Layer):
         return self.scale[:1]
 
     def forward(self, ids: Tensor) -> Tensor:
-        return self.q[ids].float() * self.scale[ids].unsqueeze(-1)
+        return stored_rows(self.q, self.row_blocks, ids, self.embedding_dim).float() * self.scale[ids].unsqueeze(-1)
 
 
 def cpu_int8_available() -> bool:
@@ -284,7 +312,11 @@ def quantize_model(model: nn.Module, mode: str, weights: dict | None = None) -> 
     embed = source(model.embed_tokens, "embed_tokens", "weight")
     if tied:  # the head's int8 rows are the embedding table's
         model.lm_head = Int8Linear.from_int8(*quantize_rows(embed, scratch))
-        model.embed_tokens = Int8Embedding(model.lm_head.int8_weight(), model.lm_head.weight_scale)
+        head = model.lm_head
+        if head._q is not None:  # the table as the head stores it (padded, maybe packed): no copy
+            model.embed_tokens = Int8Embedding(head._q, head.weight_scale, head._row_blocks, head.in_features)
+        else:
+            model.embed_tokens = Int8Embedding(head.int8_weight(), head.weight_scale)
     else:
         model.embed_tokens = Int8Embedding(*quantize_rows(embed, scratch))
     model.fuse_projections()  # 4 int8 calls a layer instead of 7: each also quantises its input
