@@ -39,7 +39,7 @@ def test_int8_rows_do_not_depend_on_each_other():
 def test_int8_rows_read_back_as_quantised_whatever_the_layout():
     """The stored table (row-major, or packed in 16-row blocks where the kernels are built with
     AVX-512 VNNI) gives back the quantised rows, and a tied embedding reads the same rows."""
-    from specdec.models.quant import Int8Embedding, quantize_rows
+    from specdec.models.quant import quantize_rows
 
     g = torch.Generator().manual_seed(2)
     w = torch.randn(37, 40, generator=g)  # neither size a multiple of 16: padded rows and inputs
@@ -48,7 +48,8 @@ def test_int8_rows_read_back_as_quantised_whatever_the_layout():
     assert torch.equal(lin.int8_weight(), q)
     ids = torch.tensor([[36, 0, 17], [16, 15, 1]])
     assert torch.equal(lin.int8_rows(ids), q[ids])
-    embed = Int8Embedding(lin._q, lin.weight_scale, lin._row_blocks, 40) if lin._q is not None else Int8Embedding(q, scale)
+    embed = lin.as_embedding()
+    assert (embed.num_embeddings, embed.embedding_dim) == (37, 40)
     assert torch.equal(embed(ids), q[ids].float() * scale[ids, None])
 
 

@@ -30,6 +30,11 @@ and, since it prefetches each next weight tile, as fast as fbgemm for one or two
 262144 x 640 output head, which saves fbgemm's packed copy of it); fbgemm is the path without it,
 and the reference the tests hold it to.
 
+Packed weights (AVX-512 VNNI). Where the kernels are built with AVX-512 VNNI, the int8 rows are
+stored in blocks of 16 (cpu_kernels.cpp, `int8_pack`): one instruction then multiplies 4 inputs for
+16 outputs, each output summing in its own lane, and the input goes in as its two planes again. The
+sums are the same integers, so the outputs are the same bits; `stored_rows` reads rows back.
+
 Quantisation changes the target model (plain and speculative decoding are then compared with the
 same quantised target, and both are exact with respect to it). The embedding table shares the
 head's int8 values and scales when the two are tied.
@@ -119,8 +124,8 @@ class Int8Linear(Layer):
         kernels = cpu_kernels.load()
         # The compiled kernels read the int8 rows zero-padded to [ceil4(N), ceil16(K)] (a padded
         # input or output changes no sum), or, in builds with AVX-512 VNNI, to [ceil16(N), ceil16(K)]
-        # and packed in blocks of 16 rows (cpu_kernels.cpp, `int8_pack`; `_packed_rows`). `q` itself
-        # may be packed in place: it is this layer's from here on.
+        # and packed in blocks of 16 rows (cpu_kernels.cpp, `int8_pack`; read back by `stored_rows`).
+        # `q` itself may be packed in place: it is this layer's from here on.
         self._q: Tensor | None = None
         self._scale4 = scale  # the scales, padded as the rows
         self._row_blocks = False  # whether `_q` is packed
@@ -155,6 +160,13 @@ class Int8Linear(Layer):
         if self._q is not None:
             return stored_rows(self._q, self._row_blocks, ids, self.in_features)
         return self.int8_weight()[ids]
+
+    def as_embedding(self) -> "Int8Embedding":
+        """An embedding table over this layer's int8 rows and scales as they are stored: a tied
+        embedding and output head share one table."""
+        if self._q is None:
+            return Int8Embedding(self.int8_weight(), self.weight_scale)
+        return Int8Embedding(self._q, self.weight_scale, self._row_blocks, self.in_features)
 
     def _fbgemm(self):
         if self._packed is None:  # the compiled path alone never needs it: made for the reference
@@ -312,11 +324,7 @@ def quantize_model(model: nn.Module, mode: str, weights: dict | None = None) -> 
     embed = source(model.embed_tokens, "embed_tokens", "weight")
     if tied:  # the head's int8 rows are the embedding table's
         model.lm_head = Int8Linear.from_int8(*quantize_rows(embed, scratch))
-        head = model.lm_head
-        if head._q is not None:  # the table as the head stores it (padded, maybe packed): no copy
-            model.embed_tokens = Int8Embedding(head._q, head.weight_scale, head._row_blocks, head.in_features)
-        else:
-            model.embed_tokens = Int8Embedding(head.int8_weight(), head.weight_scale)
+        model.embed_tokens = model.lm_head.as_embedding()
     else:
         model.embed_tokens = Int8Embedding(*quantize_rows(embed, scratch))
     model.fuse_projections()  # 4 int8 calls a layer instead of 7: each also quantises its input
