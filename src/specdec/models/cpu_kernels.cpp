@@ -355,6 +355,26 @@ inline void packed_row(const int8_t* q, int64_t kp, int64_t r, int8_t* row) {
     for (int j = 0; j < 4; ++j) row[4 * g + j] = static_cast<int8_t>(static_cast<uint8_t>(block[g * 64 + j]) ^ 0x80);
 }
 
+// Rows `ids` (any shape, each < q's rows) of a packed table as int8 [*ids.shape, k] (`stored_rows`
+// in quant.py: a tied embedding's lookups, the rows a drafter reads).
+at::Tensor int8_rows(at::Tensor q, at::Tensor ids, int64_t k) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && q.size(0) % kPackRows == 0,
+              "int8_rows: q must be a packed int8 table");
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "int8_rows: ids must be int64");
+  const int64_t kp = q.size(1);
+  TORCH_CHECK(k <= kp && k > kp - 16, "int8_rows: k does not match q");
+  const at::Tensor flat = ids.contiguous().view(-1);
+  const int64_t* is = flat.data_ptr<int64_t>();
+  const int64_t m = flat.numel();
+  for (int64_t j = 0; j < m; ++j) TORCH_CHECK(is[j] >= 0 && is[j] < q.size(0), "int8_rows: id out of range");
+  auto rows = at::empty({m, kp}, q.options());
+  int8_t* out = rows.data_ptr<int8_t>();
+  for (int64_t j = 0; j < m; ++j) packed_row(q.data_ptr<int8_t>(), kp, is[j], out + j * kp);
+  auto shape = ids.sizes().vec();
+  shape.push_back(k);
+  return rows.narrow(1, 0, k).reshape(shape);
+}
+
 // A block's input rows for the packed product: words [kp / 4][n][2], the high then the low bytes
 // of row r's inputs 4g..4g+3 (the rows of one group side by side, so a pass of rows reads them at
 // fixed offsets from one pointer); c = s_r / 126; offset [n][blocks] = 128 * sum v over each
@@ -369,49 +389,35 @@ struct PlaneRows {
 inline void input_planes(const at::Tensor& x, int64_t kp, PlaneRows& rows) {
   const int64_t k = x.size(-1), n = x.numel() / k, groups = kp / 4;
   rows.blocks = (kp + kBlockK - 1) / kBlockK;
-  rows.words.assign(groups * n * 2, 0);  // padding inputs stay 0: they add nothing
+  rows.words.resize(groups * n * 2);
   rows.c.resize(n);
   rows.offset.resize(n * rows.blocks);
   const float* xs = x.data_ptr<float>();
   at::parallel_for(0, n, kParallelRows, [&](int64_t r0, int64_t r1) {
-    std::vector<int8_t> high(kp), low(kp);
-    std::vector<int64_t> block_v(rows.blocks);  // sum of v over each 2048-input block
+    std::vector<int8_t> high(kp), low(kp);  // padding inputs stay 0: they add nothing
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = xs + r * k;
       const float s = grid_scale(row, k);
       int64_t i = 0;
-      std::fill(block_v.begin(), block_v.end(), int64_t{0});
-      __m256i sums = _mm256_setzero_si256();  // per lane, within the current block
       const __m256 sv = _mm256_set1_ps(s);
-      const __m256i times = _mm256_set1_epi32(126);
       for (; i + 8 <= k; i += 8) {
         __m256i h, l;
         grid_eight(row + i, sv, h, l);
         _mm_storel_epi64(reinterpret_cast<__m128i*>(high.data() + i), _mm256_cvtepi32_epi8(h));
         _mm_storel_epi64(reinterpret_cast<__m128i*>(low.data() + i), _mm256_cvtepi32_epi8(l));
-        sums = _mm256_add_epi32(sums, _mm256_add_epi32(_mm256_mullo_epi32(h, times), l));
-        if ((i + 8) % kBlockK == 0) {  // |sum| <= 2048 * 8001 fits the lanes
-          alignas(32) int32_t lanes[8];
-          _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sums);
-          for (int j = 0; j < 8; ++j) block_v[i / kBlockK] += lanes[j];
-          sums = _mm256_setzero_si256();
-        }
       }
-      alignas(32) int32_t lanes[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sums);
-      for (int j = 0; j < 8; ++j) block_v[(i > 0 ? i - 1 : 0) / kBlockK] += lanes[j];
       for (; i < k; ++i) {
         int h, l;
         grid_one(row[i], s, h, l);
         high[i] = static_cast<int8_t>(h);
         low[i] = static_cast<int8_t>(l);
-        block_v[i / kBlockK] += h * 126 + l;
       }
-      std::fill(high.begin() + k, high.end(), int8_t{0});
-      std::fill(low.begin() + k, low.end(), int8_t{0});
       rows.c[r] = s / (2 * kLevels);
-      for (int64_t blk = 0; blk < rows.blocks; ++blk)
-        rows.offset[r * rows.blocks + blk] = static_cast<int32_t>(static_cast<uint32_t>(128 * block_v[blk]));
+      for (int64_t blk = 0; blk < rows.blocks; ++blk) {
+        int64_t sum_v = 0;
+        for (int64_t j = blk * kBlockK; j < std::min(kp, (blk + 1) * kBlockK); ++j) sum_v += 126 * high[j] + low[j];
+        rows.offset[r * rows.blocks + blk] = static_cast<int32_t>(static_cast<uint32_t>(128 * sum_v));
+      }
       for (int64_t g = 0; g < groups; ++g) {
         std::memcpy(&rows.words[(g * n + r) * 2], high.data() + 4 * g, 4);
         std::memcpy(&rows.words[(g * n + r) * 2 + 1], low.data() + 4 * g, 4);
@@ -511,9 +517,10 @@ inline void packed_tile(const int8_t* p, const PlaneRows& rows, int64_t n, int64
 // y = Int8Linear(x) with packed weights: per block of 16 outputs, all rows in passes of near-equal
 // size (up to kPackedPassRows): the block's weights stay in the core's caches while every pass
 // reads them. (Asking for the next blocks' weights ahead, as the row-major kernels do, made 1-2
-// rows up to 15% slower here: the stream is regular enough for the hardware's own prefetch.)
+// rows 8-20% slower here: the stream is regular enough for the hardware's own prefetch.)
 void packed_linear(const at::Tensor& x, const at::Tensor& q, const float* ws, const float* bias, float* out, int64_t n_out) {
   const int64_t kp = q.size(1), n16 = q.size(0), groups = kp / 4, n = x.numel() / x.size(-1);
+  const int64_t passes = (n + kPackedPassRows - 1) / kPackedPassRows;
   PlaneRows rows;
   input_planes(x, kp, rows);
   const int8_t* qs = q.data_ptr<int8_t>();
@@ -521,7 +528,6 @@ void packed_linear(const at::Tensor& x, const at::Tensor& q, const float* ws, co
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t col = b * kPackRows, valid = std::min(kPackRows, n_out - col);
       const int8_t* p = qs + col * kp;
-      const int64_t passes = (n + kPackedPassRows - 1) / kPackedPassRows;
       int64_t m = 0;
       for (int64_t pass = 0; pass < passes; ++pass) {
         const int64_t size = (n - m + (passes - pass) - 1) / (passes - pass);
@@ -549,9 +555,10 @@ constexpr int64_t kRowMultiple = 4;
 bool int8_packed() { return kRowMultiple == 16; }
 int64_t int8_row_multiple() { return kRowMultiple; }
 
-// y = Int8Linear(x): x [..., K] float32; q [N4, KP] int8 (N and K zero-padded to multiples of 4 and
-// 16); ws [N4] float32; bias [N] or none; n_out = N. Returns [..., N]. Every output is the formula
-// above, so a row's result never depends on the other rows in the call.
+// y = Int8Linear(x): x [..., K] float32; q [N4, KP] int8 (N and K zero-padded to multiples of
+// kRowMultiple and 16; packed where AVX-512 VNNI is built in); ws [N4] float32; bias [N] or none;
+// n_out = N. Returns [..., N]. Every output is the formula above, so a row's result never depends on
+// the other rows in the call.
 at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor ws, c10::optional<at::Tensor> bias,
                           int64_t n_out) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "int8_linear: x must be float32");
@@ -1317,6 +1324,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_row_multiple", &int8_row_multiple, "the multiple Int8Linear's rows are padded to in this build");
 #if defined(SPECDEC_VNNI)
   m.def("int8_pack", &int8_pack, "a padded row-major int8 table into the packed layout, in place");
+  m.def("int8_rows", &int8_rows, "rows of a packed int8 table, as int8");
 #endif
   m.def("rms_norm", &rms_norm, "RMSNorm with per-row-period weights");
   m.def("residual_norm", &residual_norm, "x + norm(y), and the norm of that sum");

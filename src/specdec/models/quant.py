@@ -251,13 +251,10 @@ def _pack_unit_scales(q: Tensor):
 
 def stored_rows(q: Tensor, row_blocks: bool, ids: Tensor, k: int) -> Tensor:
     """Rows `ids` of a stored int8 table `q` as int8 [*ids.shape, k]: `q` row-major, or packed in
-    blocks of 16 rows (`row_blocks`; cpu_kernels.cpp, `int8_pack`): there row r's inputs 4g..4g+3 are
-    the 4 bytes at lane r % 16 of group g of block r // 16, each stored as w + 128 (w ^ 0x80)."""
+    blocks of 16 rows (`row_blocks`), read by the compiled kernels that packed it (`int8_rows`)."""
     if not row_blocks:
         return q[ids, :k]
-    blocks = q.view(q.shape[0] // 16, q.shape[1] // 4, 16, 4)
-    rows = blocks[ids // 16, :, ids % 16]  # [*ids.shape, K / 4, 4]
-    return rows.flatten(-2)[..., :k].bitwise_xor(-128)
+    return cpu_kernels.load().int8_rows(q, ids, k)
 
 
 def linear_rows(linear: nn.Module, ids: Tensor) -> Tensor:
