@@ -276,6 +276,7 @@ def test_bad_input_gets_its_error(server, path, body, status, param, stream):
     error = res.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param
+    assert error["code"] is None or isinstance(error["code"], str)  # OpenAI's convention, never the status
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe"])
@@ -354,10 +355,12 @@ def small_server(tiny_folder, engine):
 
 def test_burst_beyond_the_queue_gets_429(small_server):
     auth = {"authorization": "Bearer sesame"}
+    retry_after = []
 
     async def one(http, i):
         body = {"prompt": PROMPT, "max_tokens": 150, "temperature": 0, "stream": i % 2 == 0}
         res = await http.post(small_server + C, json=body, headers=auth)
+        retry_after.append((res.status_code, res.headers.get("retry-after")))
         return res.status_code, (res.json() if res.status_code != 200 else None)
 
     async def main():
@@ -369,6 +372,7 @@ def test_burst_beyond_the_queue_gets_429(small_server):
     codes = [c for c, _ in results]
     assert set(codes) == {200, 429} and codes.count(200) >= 2 and codes.count(429) >= 6
     assert all(e["error"]["type"] == "rate_limit_error" for c, e in results if c == 429)
+    assert all(int(h) >= 1 for c, h in retry_after if c == 429)
     assert time.time() - start < 60
 
 
@@ -425,15 +429,28 @@ def test_cli_serve_drains_on_sigterm(tiny_folder):
             assert time.time() < deadline
             time.sleep(0.2)
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "stream": True}
+        # No drafting, so that the 60 tokens take long enough to see the drain answer meanwhile.
+        body = {**body, "speculative": False}
         with httpx.stream("POST", url + C, json=body, timeout=60) as res:
             lines = (ln for ln in res.iter_lines() if ln)
             first = next(lines)
             proc.send_signal(signal.SIGTERM)  # mid-stream
+            # Draining: still listening, and a new request gets 503 (not "connection refused").
+            deadline = time.time() + 10
+            while (health := httpx.get(url + "/health")).status_code == 200:
+                assert time.time() < deadline
+                time.sleep(0.02)
+            assert health.status_code == 503 and health.json() == {"status": "draining"}
+            refused = httpx.post(url + C, json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 503 and refused.headers["connection"] == "close"
+            assert refused.json()["error"]["type"] == "service_unavailable" and refused.headers["retry-after"]
             rest = list(lines)
         chunks = [json.loads(ln[6:]) for ln in [first] + rest[:-1]]
         assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert len("".join(c["choices"][0]["text"] for c in chunks)) == 60  # one char per token
         assert proc.wait(30) == 0
+        with pytest.raises(httpx.ConnectError):  # and then gone
+            httpx.get(url + "/health")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -110,6 +110,7 @@ def _show_drafts(engine, generation, colour: bool) -> str:
 def _generate(args) -> int:
     from .engine import Engine
     from .sampling import SamplingParams
+    from .tokenizer import check_text
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     prompt_ids = None
@@ -120,6 +121,13 @@ def _generate(args) -> int:
             raise SpecdecError("--prompt-ids must be comma-separated integers") from None
     if (args.prompt is None) == (prompt_ids is None):
         raise SpecdecError("give exactly one of --prompt or --prompt-ids")
+    if args.prompt is not None:  # before the load: invalid UTF-8 in an argument is a lone surrogate here
+        check_text(args.prompt, "--prompt", "prompt")
+    for stop in args.stop or ():
+        check_text(stop, "--stop", "stop")
+    if args.stream and (args.json or args.compare):
+        raise SpecdecError(f"--stream cannot be combined with {'--json' if args.json else '--compare'}, "
+                           "which print the whole result at the end")
     if args.max_tokens < 1:  # before the load, like every other option the engine checks
         raise SpecdecError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     print("specdec: loading the model...", file=sys.stderr)

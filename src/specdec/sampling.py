@@ -21,6 +21,8 @@ from torch import Tensor
 
 from .errors import InvalidRequestError
 
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32, ~1.18e-38
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -86,9 +88,18 @@ def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
 
-    # Temperature: softmax(l / T). Subtracting the row max first changes nothing mathematically but
-    # keeps l / T finite for tiny T.
-    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
+    # Temperature: softmax(l / T) = softmax((l - max l) / T), in log space: every scaled logit is
+    # <= 0, exactly 0 at the row's maximum, so nothing overflows to +inf and the softmax below
+    # never sees inf - inf. A T below float32's smallest normal number (1e-100, 5e-324 are valid
+    # input) would round to 0 or lose precision as a float32 divisor (0 / 0 = NaN at the
+    # maximum), so such a T divides in float64, where it is exact; the quotients then round to
+    # float32 as 0 at the maximum and -inf (probability 0) almost everywhere else. That is the
+    # limit of softmax(l / T) as T -> 0: all the mass on the argmax (shared evenly by exact ties).
+    shifted = logits - logits.amax(-1, keepdim=True)  # [..., vocab], <= 0
+    if params.temperature >= _FLOAT32_TINY:
+        logits = shifted / params.temperature
+    else:
+        logits = (shifted.double() / params.temperature).float()
 
     # Top-k: mask every logit strictly below the k-th largest.
     if 0 < params.top_k < vocab:

@@ -44,6 +44,26 @@ def _rust_only(folder: Path) -> bool:
             and config.get("tokenizer_class", "PreTrainedTokenizerFast") in _PLAIN_CLASSES)
 
 
+def check_text(text: str, what: str = "the prompt", param: str | None = "prompt") -> str:
+    """`text` if it is valid Unicode text; an InvalidRequestError naming the first lone surrogate
+    otherwise.
+
+    A Python str can hold lone surrogates (U+D800..U+DFFF) that no UTF-8 text contains: JSON's
+    `"\\ud800"` escapes decode to them, and so do invalid UTF-8 bytes in a command-line argument
+    (Python's surrogateescape maps byte 0xNN to U+DCNN). The tokenizers cannot encode them.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(text[exc.start])
+        if 0xDC80 <= char <= 0xDCFF:  # surrogateescape: an undecodable byte from the OS
+            raise InvalidRequestError(f"{what} is not valid UTF-8 (byte 0x{char - 0xDC00:02x} at character "
+                                      f"{exc.start})", param) from None
+        raise InvalidRequestError(f"{what} contains a lone surrogate (U+{char:04X} at character {exc.start}), "
+                                  "which is not valid Unicode text", param) from None
+    return text
+
+
 class Tokenizer:
     """A model folder's tokenizer.
 
@@ -93,6 +113,7 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         if not text:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        check_text(text)
         if self._rust is not None:
             return self._rust.encode(text).ids  # with the special tokens tokenizer.json adds (BOS)
         return list(self._tok(text).input_ids)
@@ -106,12 +127,35 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return None if self._tok is None else getattr(self._tok, "chat_template", None) or None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of `messages` rendered by the model's chat template, ready for the reply."""
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        """Token ids of `messages` rendered by the model's chat template.
+
+        By default ready for the reply (`add_generation_prompt`); with `continue_final_message` the
+        rendering stops right after the last message's text, so the model continues that message
+        (the two exclude each other, as in transformers).
+        """
         if not self.chat_template:
             raise InvalidRequestError("this model's tokenizer has no chat template: use /v1/completions",
                                       param="messages")
-        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError("continue_final_message needs add_generation_prompt = false",
+                                      param="continue_final_message")
+        for i, message in enumerate(messages):
+            for key, value in message.items():
+                if isinstance(value, str):
+                    check_text(value, f"messages[{i}].{key}", f"messages[{i}].{key}")
+        from jinja2 import TemplateError
+
+        try:
+            text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message)
+        except TemplateError as exc:  # the template's own raise_exception(...): roles out of order, ...
+            raise InvalidRequestError(f"the chat template rejects these messages: {exc}", "messages") from None
+        except ValueError as exc:  # continue_final_message when the template drops the final text
+            if not continue_final_message:
+                raise
+            raise InvalidRequestError(f"cannot continue the final message: {exc}", "continue_final_message") from None
         # The template writes any BOS itself: do not add special tokens a second time.
         ids = list(self._tok(text, add_special_tokens=False).input_ids)
         if not ids:

@@ -1,18 +1,29 @@
 """The FastAPI app: a thin adapter from OpenAI-shaped HTTP requests to the `BatchScheduler`.
 
-Every request is checked in the same order: API key (401), model loaded (503), body (400), model
-name (404), prompt and limits (400), then queued (429 when the queue is full). Errors are always
-the OpenAI error object `{"error": {"message", "type", "param", "code"}}`; on the streaming path
-the same checks run before the first byte, so a bad streaming request gets the same status and
-object. A fault after streaming started is sent as a `data: {"error": ...}` event.
+Every request is checked in the same order: draining (503), API key (401), model loaded (503),
+content type (415), body (400), model name (404), prompt and limits (400), then queued (429 when
+the queue is full). Errors are always the OpenAI error object `{"error": {"message", "type",
+"param", "code"}}`, `code` being a string or null as in OpenAI's API; 429 and 503 carry
+`Retry-After`. On the streaming path the same checks run before the first byte, so a bad streaming
+request gets the same status and object. A fault after streaming started is sent as a
+`data: {"error": ...}` event. An unexpected fault (a bug: 500) answers with `Connection: close`,
+since the server drops that connection after it; every other error keeps the connection usable.
 
-The model loads in a background thread so that `/health` can answer 503 while it loads.
+The model loads in a background thread so that `/health` can answer 503 while it loads; a load
+that fails is logged (or handed to `on_load_error`, which `specdec serve` uses to exit with the
+error) and every request then gets 503 with the reason.
+
+Draining (`begin_drain`, which `specdec serve` calls on SIGTERM): the listening socket stays open
+and every new request gets 503 with `Connection: close` while the requests in flight finish;
+`in_flight` counts them so the server knows when to stop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import threading
 import time
 import uuid
@@ -20,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -33,6 +45,9 @@ from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling, parse
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI completions default; chat defaults to the context left
+MAX_JSON_DEPTH = 64  # request bodies nest 4 deep; anything near Python's recursion limit is an attack
+RETRY_AFTER_S = {429: 1, 503: 5}  # a full queue frees up fast; a load or a drain takes longer
+log = logging.getLogger("specdec.server")
 
 
 @dataclass(frozen=True)
@@ -60,10 +75,16 @@ class ServerState:
     tokenizer: Tokenizer | None = None
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False  # set once (begin_drain); read by the gate in front of every request
+    in_flight: int = 0  # HTTP requests inside the app (event-loop thread only)
+
+    def begin_drain(self) -> None:
+        """Answer 503 to every new request from now on; those in flight finish."""
+        self.draining = True
 
 
 class APIError(Exception):
-    """An error with its HTTP status, for failures outside `SpecdecError` (auth, routing)."""
+    """An error with its HTTP status, for failures outside `SpecdecError` (auth, routing, media type)."""
 
     def __init__(self, status: int, message: str, error_type: str, param: str | None = None,
                  code: str | None = None):
@@ -71,13 +92,21 @@ class APIError(Exception):
         self.status, self.error_type, self.param, self.code = status, error_type, param, code
 
 
-def error_body(message: str, error_type: str, param: str | None = None, code: str | int | None = None) -> dict:
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
+def error_response(status: int, message: str, error_type: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if status in RETRY_AFTER_S:
+        headers.setdefault("Retry-After", str(RETRY_AFTER_S[status]))
+    return JSONResponse(error_body(message, error_type, param, code), status_code=status, headers=headers)
+
+
 def _specdec_error_response(exc: SpecdecError) -> JSONResponse:
-    return JSONResponse(error_body(str(exc), exc.error_type, getattr(exc, "param", None), exc.http_status),
-                        status_code=exc.http_status)
+    code = exc.code or ("rate_limit_exceeded" if exc.http_status == 429 else None)
+    return error_response(exc.http_status, str(exc), exc.error_type, getattr(exc, "param", None), code)
 
 
 def load_model(settings: ServerSettings) -> tuple[Transformer, Tokenizer | None]:
@@ -90,8 +119,13 @@ def load_model(settings: ServerSettings) -> tuple[Transformer, Tokenizer | None]
 
 
 def create_app(settings: ServerSettings,
-               load: Callable[[ServerSettings], tuple[Transformer, Tokenizer | None]] = load_model) -> FastAPI:
-    """The app for `settings`; `load` makes the model (tests pass an already-loaded one)."""
+               load: Callable[[ServerSettings], tuple[Transformer, Tokenizer | None]] = load_model,
+               on_load_error: Callable[[str], None] | None = None) -> FastAPI:
+    """The app for `settings`; `load` makes the model (tests pass an already-loaded one).
+
+    `on_load_error(reason)` is called (from the loading thread) when the load fails; without it the
+    failure is logged. Either way requests then get 503 with the reason.
+    """
     state = ServerState(settings)
 
     def load_in_background() -> None:
@@ -106,6 +140,10 @@ def create_app(settings: ServerSettings,
             state.scheduler = scheduler.start()
         except Exception as exc:  # reported by /health and every request
             state.load_error = f"{type(exc).__name__}: {exc}"
+            if on_load_error is not None:
+                on_load_error(state.load_error)
+            else:
+                log.error("specdec: the model failed to load: %s", state.load_error)
 
     async def lifespan(app: FastAPI):
         threading.Thread(target=load_in_background, name="specdec-load", daemon=True).start()
@@ -117,6 +155,7 @@ def create_app(settings: ServerSettings,
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.specdec = state
+    app.add_middleware(_Gate, state=state)
 
     @app.exception_handler(SpecdecError)
     async def _specdec_error(request: Request, exc: SpecdecError):
@@ -124,23 +163,29 @@ def create_app(settings: ServerSettings,
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(error_body(str(exc), exc.error_type, exc.param, exc.code), status_code=exc.status)
+        return error_response(exc.status, str(exc), exc.error_type, exc.param, exc.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        # Routing: 404 for an unknown path, 405 (with the `Allow` header Starlette sets) for a
+        # known path and a wrong method.
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind, None, exc.status_code), status_code=exc.status_code)
+        return error_response(exc.status_code, str(exc.detail), kind, None, None, exc.headers)
 
     @app.exception_handler(Exception)
     async def _fault(request: Request, exc: Exception):
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error", None, 500),
-                            status_code=500)
+        # A bug. Starlette re-raises it after this response and uvicorn then closes the
+        # connection, so say so: a pooling client must not send its next request on it.
+        log.exception("specdec: internal error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error",
+                              headers={"Connection": "close"})
 
     def check_key(request: Request) -> None:
         if settings.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {settings.api_key}":
+        # RFC 9110: the scheme name is case-insensitive ("bearer" = "Bearer"); the key is not.
+        scheme, _, key = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            "invalid_request_error", None, "invalid_api_key")
 
@@ -152,10 +197,30 @@ def create_app(settings: ServerSettings,
         return state.scheduler
 
     async def body_of(request: Request) -> object:
+        """The request's JSON body: application/json in UTF-8 (RFC 8259), at most MAX_JSON_DEPTH deep."""
+        content_type = request.headers.get("content-type")
+        if content_type is not None:  # no header at all: taken as JSON, as most servers do
+            media, *params = [part.strip().lower() for part in content_type.split(";")]
+            if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+                raise APIError(415, f"unsupported content type {media!r}: send the body as application/json",
+                               "invalid_request_error", None, "unsupported_media_type")
+            charset = next((p.split("=", 1)[1].strip('" ') for p in params if p.startswith("charset=")), "utf-8")
+            if charset not in ("utf-8", "utf8"):
+                raise APIError(415, f"unsupported charset {charset!r}: JSON bodies are UTF-8",
+                               "invalid_request_error", None, "unsupported_media_type")
+        raw = await request.body()
         try:
-            return json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            # Decoded as UTF-8 first: json.loads(bytes) would also guess UTF-16 and UTF-32.
+            body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        except UnicodeDecodeError as exc:
+            raise InvalidRequestError(f"the request body is not UTF-8: {exc.reason} at byte {exc.start}") from None
+        except RecursionError:
+            raise InvalidRequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+        except ValueError as exc:  # JSONDecodeError, NaN / Infinity, integers of more than 4300 digits
             raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+        if _depth(body) > MAX_JSON_DEPTH:
+            raise InvalidRequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        return body
 
     def check_model(name: str | None) -> None:
         if name is not None and name != settings.served_model_name:
@@ -194,7 +259,7 @@ def create_app(settings: ServerSettings,
             return JSONResponse({"status": "loading"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(state.metrics.render(state.scheduler, settings.served_model_name),
                                  media_type="text/plain; version=0.0.4")
@@ -234,8 +299,8 @@ def create_app(settings: ServerSettings,
 
         if not body.stream:
             done = await collect(handle, request)
-            if done is None:
-                return JSONResponse(error_body("client disconnected", "cancelled"), status_code=499)
+            if done is None:  # nobody reads this
+                return error_response(499, "client disconnected", "cancelled")
             raise_fault(done[-1])
             result = RequestHandle.collect(done)
             return {**base, "choices": [{"index": 0, "text": result.text, "logprobs": logprobs_of(result.logprobs, 0),
@@ -246,7 +311,7 @@ def create_app(settings: ServerSettings,
             offset = 0
             async for delta in guarded(handle):
                 if delta.finish_reason == "error":
-                    yield sse(error_body(delta.error or "generation failed", "internal_error", None, 500))
+                    yield sse(error_body(delta.error or "generation failed", "internal_error"))
                     break
                 if delta.text or delta.finish_reason or delta.logprobs:
                     chunk = {**base, "choices": [{"index": 0, "text": delta.text,
@@ -271,7 +336,8 @@ def create_app(settings: ServerSettings,
         if state.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer, so no chat template: use /v1/completions "
                                       "with token ids", "messages")
-        ids = state.tokenizer.encode_chat([m.as_template_dict() for m in body.messages])
+        ids = state.tokenizer.encode_chat([m.as_template_dict() for m in body.messages], body.add_generation_prompt,
+                                          body.continue_final_message)
         top = body.top_logprobs or 0
         gen = gen_request(body, ids, body.max_completion_tokens or body.max_tokens, top if body.logprobs else None,
                           scheduler)
@@ -292,8 +358,8 @@ def create_app(settings: ServerSettings,
 
         if not body.stream:
             done = await collect(handle, request)
-            if done is None:
-                return JSONResponse(error_body("client disconnected", "cancelled"), status_code=499)
+            if done is None:  # nobody reads this
+                return error_response(499, "client disconnected", "cancelled")
             raise_fault(done[-1])
             result = RequestHandle.collect(done)
             return {**base, "object": "chat.completion",
@@ -308,7 +374,7 @@ def create_app(settings: ServerSettings,
                                             "logprobs": None, "finish_reason": None}], **extra})
             async for delta in guarded(handle):
                 if delta.finish_reason == "error":
-                    yield sse(error_body(delta.error or "generation failed", "internal_error", None, 500))
+                    yield sse(error_body(delta.error or "generation failed", "internal_error"))
                     break
                 if delta.text or delta.logprobs:
                     yield sse({**head, "choices": [{"index": 0, "delta": {"content": delta.text},
@@ -323,7 +389,64 @@ def create_app(settings: ServerSettings,
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    def openapi() -> dict:
+        # The endpoints read their bodies themselves (so the checks run in the order above);
+        # declare the request models here so that /openapi.json describes them.
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
+                model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(model_schema.pop("$defs", {}))
+                components[model.__name__] = model_schema
+                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
+
+
+class _Gate:
+    """ASGI middleware in front of every route: 503 while draining, and the count of requests in
+    flight (a streaming request counts until its last byte)."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.state.draining and scope["path"] != "/metrics":
+            close = {"Connection": "close"}
+            if scope["path"] == "/health":
+                response = JSONResponse({"status": "draining"}, status_code=503, headers=close)
+            else:
+                response = error_response(503, "the server is shutting down", "service_unavailable", headers=close)
+            return await response(scope, receive, send)
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _depth(value: object) -> int:
+    """How deep JSON containers nest in `value` (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            if depth <= MAX_JSON_DEPTH:
+                stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def sse(payload: dict) -> str:
@@ -354,25 +477,29 @@ async def guarded(handle: RequestHandle):
             handle.cancel()
 
 
-async def collect(handle: RequestHandle, request: Request, poll_s: float = 0.25) -> list[Delta] | None:
-    """All deltas of a non-streaming request; None (and the request cancelled) if the client left."""
-    deltas: list[Delta] = []
-    iterator = handle.__aiter__()
+async def collect(handle: RequestHandle, request: Request) -> list[Delta] | None:
+    """All deltas of a non-streaming request; None (and the request cancelled) if the client left.
+
+    Waits for the result and, at the same time, for the client's `http.disconnect`, which the
+    server sends the moment the connection closes: an abandoned request frees its batch row at
+    once rather than generating to its end.
+    """
+
+    async def everything() -> list[Delta]:
+        return [delta async for delta in handle]
+
+    async def disconnect() -> None:
+        # The body has been read, so the next ASGI message is the disconnect (the server sends it
+        # when the client goes away, or once the response is complete).
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    result, gone = asyncio.ensure_future(everything()), asyncio.ensure_future(disconnect())
     try:
-        while True:
-            step = asyncio.ensure_future(iterator.__anext__())
-            while True:
-                finished, _ = await asyncio.wait({step}, timeout=poll_s)
-                if finished:
-                    break
-                if await request.is_disconnected():
-                    step.cancel()
-                    handle.cancel()
-                    return None
-            try:
-                deltas.append(step.result())
-            except StopAsyncIteration:
-                return deltas
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return result.result() if result.done() else None
     finally:
+        result.cancel()
+        gone.cancel()
         if not handle.consumed:
             handle.cancel()

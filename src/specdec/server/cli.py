@@ -1,12 +1,18 @@
-"""`specdec serve`: arguments -> `ServerSettings` -> uvicorn running the app."""
+"""`specdec serve`: arguments -> `ServerSettings` -> uvicorn running the app.
+
+Exit status: 0 after a drain (SIGTERM or Ctrl-C); 2 with one error line for bad options, a model
+path that cannot be a model, a port that is taken, or a model that fails to load in the background.
+"""
 
 from __future__ import annotations
 
+import errno
 import signal
+import socket
 import sys
 from pathlib import Path
 
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, ModelLoadError, SpecdecError
 
 
 def add_arguments(parser) -> None:
@@ -56,6 +62,31 @@ def settings_from_args(args):
                           device=args.device, quantize=args.quantize)
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket for `host`:`port`, bound here (not by uvicorn) so that a port in use is
+    one clear error before anything says "serving", with no window for another process to take
+    the port in between."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise InvalidRequestError(f"--host {host!r}: cannot resolve it ({exc})", "host") from None
+    except OverflowError:
+        raise InvalidRequestError(f"--port must be in [0, 65535], got {port}", "port") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+        sock.bind(address)
+        sock.set_inheritable(True)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SpecdecError(f"port {port} on {host} is already in use (another server?): pick another "
+                               "with --port") from None
+        raise SpecdecError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
 def run(args) -> int:
     import uvicorn
 
@@ -64,21 +95,57 @@ def run(args) -> int:
     from .app import create_app
 
     settings = settings_from_args(args)
-    # Fail on a bad device, dtype, quantisation or model path before binding the port; the model
-    # itself loads in the background while /health answers 503.
+    # Fail on a bad device, dtype, quantisation, model path or port before saying "serving"; the
+    # model itself loads in the background while /health answers 503, and a load that fails stops
+    # the server with the load error (exit status 2).
     device = resolve_device(settings.device)
     resolve_dtype(settings.dtype, device, settings.quantize)
     check_quantize(settings.quantize, device)
     if settings.model != "default":
         check_path(settings.model)
-    print(f"specdec: serving {settings.served_model_name!r} on http://{args.host}:{args.port} "
-          f"(model loads in the background; GET /health says when it is ready)", file=sys.stderr)
-    # Uvicorn handles SIGTERM / SIGINT: it stops accepting, waits for in-flight requests (streams
-    # included) and then runs the app's shutdown, which drains the scheduler. Afterwards it raises
-    # the signal again under the handler that was there before; for SIGTERM that handler does
-    # nothing, so a drained server ends with exit status 0 rather than being killed by the signal.
+    sock = bind(args.host, args.port)
+    load_errors: list[str] = []
+
+    def on_load_error(reason: str) -> None:  # the loading thread
+        load_errors.append(reason)
+        server.should_exit = True
+
+    app = create_app(settings, on_load_error=on_load_error)
+    server = _draining_server(uvicorn.Config(app, log_level=args.log_level), app.state.specdec)
+    # After a second signal uvicorn raises it again once it has stopped, under the handler that
+    # was there before; for SIGTERM that handler does nothing, so the exit status stays 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host=args.host, port=args.port,
-                                           log_level=args.log_level))
-    server.run()
+    port = sock.getsockname()[1]  # --port 0: the one the system picked
+    print(f"specdec: serving {settings.served_model_name!r} on http://{args.host}:{port} "
+          f"(model loads in the background; GET /health says when it is ready)", file=sys.stderr)
+    server.run(sockets=[sock])
+    if load_errors:
+        raise ModelLoadError(f"the model failed to load: {load_errors[0]}")
     return 0
+
+
+def _draining_server(config, state):
+    """Uvicorn, with SIGTERM / SIGINT draining while still listening.
+
+    Plain uvicorn closes its listening socket on the signal, so new clients see "connection
+    refused" while the requests in flight finish. Here the first signal only starts the drain
+    (`ServerState.begin_drain`: new requests get 503 with `Connection: close`); once no request is
+    in flight, uvicorn's own shutdown runs, then the app's, which stops the scheduler, and the
+    exit status is 0. A second signal is uvicorn's usual one (stop listening, wait); a second
+    Ctrl-C after that forces the exit.
+    """
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if state.draining or self.should_exit:
+                super().handle_exit(sig, frame)
+            else:
+                state.begin_drain()
+
+        async def on_tick(self, counter: int) -> bool:
+            if state.draining and state.in_flight == 0:
+                return True
+            return await super().on_tick(counter)
+
+    return DrainingServer(config)

@@ -1,16 +1,24 @@
 """Request bodies of the OpenAI-compatible endpoints, as strict pydantic models.
 
-Strict types: `"10"` is not an integer and `true` is not a number, as in the OpenAI API. Unknown
-fields are ignored (like vLLM), so clients that send extra options keep working; fields the
-server knows but does not implement are accepted only at their neutral value and otherwise get
-a 400 that names them.
+Strict types: `"10"` is not an integer and `true` is not a number, as in the OpenAI API; a whole
+float (`1.0`) is an integer, since JSON has one number type; NaN and infinities are refused. Text
+must be valid Unicode: a lone surrogate (`"\\ud800"`) is a 400 naming its field.
+
+Three kinds of fields:
+- implemented ones, declared below with their types and ranges;
+- fields that OpenAI's API or vLLM's well-known extensions define but this server does not
+  implement (tools, structured output, penalties, ...): accepted only at their neutral value
+  (null, or the value that changes nothing, e.g. `ignore_eos: false`), otherwise a 400 that names
+  the field with code "unsupported_parameter". They are listed in `NOT_IMPLEMENTED`;
+- fields nobody defines: ignored (as vLLM and OpenAI's own SDKs tolerate), so clients that send
+  options of their own keep working.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from ..errors import InvalidRequestError
 
@@ -18,8 +26,128 @@ MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
 
 
+def _whole_number(value: object) -> object:
+    # JSON has one number type: clients (and OpenAI's API) treat 1.0 as the integer 1.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _unicode_text(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"contains a lone surrogate (U+{ord(value[exc.start]):04X} at character {exc.start}), "
+                         "which is not valid Unicode text") from None
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_whole_number)]
+Text = Annotated[str, AfterValidator(_unicode_text)]
+
+
+def _same(value: object, neutral: object) -> bool:
+    # `ignore_eos: 0` is not `false`, and `min_tokens: false` is not 0: booleans match only booleans.
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return type(value) in (int, float) and type(neutral) in (int, float) and value == neutral \
+        or type(value) is type(neutral) and value == neutral
+
+
+# Known fields this server does not implement: name -> (its neutral values besides null, what to
+# say). Anything else in the field is a 400 naming it.
+_PENALTIES = "penalties and logit biases are not supported"
+_STRUCTURED = "structured output (JSON schemas, regular expressions, grammars, choices) is not supported"
+_TOOLS = "tool and function calling is not supported"
+_COMMON_NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
+    "repetition_penalty": ((1,), _PENALTIES),
+    "length_penalty": ((1,), "beam search is not supported"),
+    "use_beam_search": ((False,), "beam search is not supported"),
+    "min_tokens": ((0,), "min_tokens is not supported (EOS is never masked)"),
+    "ignore_eos": ((False,), "ignore_eos is not supported (generation stops at EOS)"),
+    "stop_token_ids": (([],), "stop_token_ids is not supported: use stop strings"),
+    "bad_words": (([],), "bad_words is not supported"),
+    "allowed_token_ids": ((), "allowed_token_ids is not supported"),
+    "include_stop_str_in_output": ((False,), "include_stop_str_in_output is not supported (stop strings are cut)"),
+    "skip_special_tokens": ((True,), "special tokens are always skipped in the output text"),
+    "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens is not supported"),
+    "prompt_logprobs": ((), "prompt_logprobs is not supported (only the generated tokens' logprobs)"),
+    "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported: a prompt that does not fit is a 400"),
+    "logits_processors": ((), "logits_processors is not supported"),
+    "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not supported"),
+    "priority": ((0,), "request priorities are not supported (first come, first served)"),
+    "response_format": (({"type": "text"},), _STRUCTURED),
+    "structured_outputs": ((), _STRUCTURED),
+    "guided_json": ((), _STRUCTURED),
+    "guided_regex": ((), _STRUCTURED),
+    "guided_choice": ((), _STRUCTURED),
+    "guided_grammar": ((), _STRUCTURED),
+    "guided_decoding_backend": ((), _STRUCTURED),
+    "guided_whitespace_pattern": ((), _STRUCTURED),
+    "store": ((False,), "stored completions are not supported"),
+    "metadata": (({},), "metadata is only used by stored completions, which are not supported"),
+    "service_tier": (("auto", "default"), "service tiers are not supported"),
+}
+_COMPLETION_NOT_IMPLEMENTED = {
+    **_COMMON_NOT_IMPLEMENTED,
+    "top_logprobs": ((), "top_logprobs is a chat field: /v1/completions takes logprobs = N"),
+}
+_CHAT_NOT_IMPLEMENTED = {
+    **_COMMON_NOT_IMPLEMENTED,
+    "tools": (([],), _TOOLS),
+    "tool_choice": (("none",), _TOOLS),
+    "functions": (([],), _TOOLS),
+    "function_call": (("none",), _TOOLS),
+    "parallel_tool_calls": ((), _TOOLS),
+    "echo": ((False,), "echo is not supported"),
+    "chat_template": ((), "only the model's own chat template is supported"),
+    "chat_template_kwargs": (({},), "chat_template_kwargs is not supported"),
+    "documents": ((), "documents are not supported"),
+    "modalities": ((["text"],), "only text output is supported"),
+    "audio": ((), "audio output is not supported"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "reasoning_effort": ((), "reasoning_effort is not supported"),
+    "web_search_options": ((), "web search is not supported"),
+    "mm_processor_kwargs": ((), "multimodal input is not supported"),
+}
+_MESSAGE_NOT_IMPLEMENTED = {
+    "tool_calls": (([],), _TOOLS),
+    "function_call": ((), _TOOLS),
+    "audio": ((), "audio is not supported"),
+    "annotations": (([],), "annotations are not supported"),
+    "refusal": ((), "refusal is not supported in input messages"),
+}
+_STREAM_NOT_IMPLEMENTED = {
+    "continuous_usage_stats": ((False,), "continuous_usage_stats is not supported (usage comes in the last chunk)"),
+    "include_obfuscation": ((False,), "stream obfuscation is not supported"),
+}
+
+
+# The tables by where their fields live (README's server section lists them).
+NOT_IMPLEMENTED = {"completions": _COMPLETION_NOT_IMPLEMENTED, "chat": _CHAT_NOT_IMPLEMENTED,
+                   "message": _MESSAGE_NOT_IMPLEMENTED, "stream_options": _STREAM_NOT_IMPLEMENTED}
+
+
+def _refuse_not_implemented(model: BaseModel, table: dict[str, tuple[tuple, str]], prefix: str = "") -> None:
+    for name, value in (model.model_extra or {}).items():
+        if name in table and value is not None:
+            neutral, why = table[name]
+            if not any(_same(value, n) for n in neutral):
+                allowed = " or ".join(["null"] + [_show(n) for n in neutral])
+                raise InvalidRequestError(f"{prefix}{name}: {why} (accepted only as {allowed})", prefix + name,
+                                          "unsupported_parameter")
+
+
+def _show(value: object) -> str:
+    import json
+
+    return json.dumps(value)
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # extra="allow": unknown fields are kept in `model_extra` so that the known-but-not-implemented
+    # ones can be checked; nothing reads the rest.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -29,43 +157,51 @@ class StreamOptions(_Strict):
 class SpeculativeOptions(_Strict):
     """Per-request speculation: which lookup drafter, and how many tokens it may draft per step."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
     drafter: Literal["none", "ngram", "suffix"] | None = None
-    num_tokens: int | None = Field(None, ge=0)
+    num_tokens: Int | None = Field(None, ge=0)
 
 
 class _Sampling(_Strict):
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    model: Text | None = None
+    max_tokens: Int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # -1 or 0 = off (vLLM uses -1)
+    top_k: Int = Field(0, ge=-1)  # -1 or 0 = off (vLLM uses -1)
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: Int | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
+    n: Int = Field(1, ge=1)
     # A speculation override: `false` turns drafting off; an object picks the drafter and k.
     speculative: bool | SpeculativeOptions | None = None
-    # Known but not implemented: accepted at their neutral value only.
+    # Known but not implemented, typed because clients send their neutral values often.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    # OpenAI's end-user id (for abuse monitoring): accepted, changes nothing by definition.
+    user: Text | None = None
+
+    _not_implemented = _COMMON_NOT_IMPLEMENTED
 
     def checked(self) -> "_Sampling":
         if self.n != 1:
-            raise InvalidRequestError("only n = 1 is supported", "n")
+            raise InvalidRequestError("only n = 1 is supported", "n", "unsupported_value")
         if self.presence_penalty or self.frequency_penalty:
             param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            raise InvalidRequestError(f"{param} is not supported (only 0)", param)
+            raise InvalidRequestError(f"{param} is not supported (only 0)", param, "unsupported_parameter")
         if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported", "logit_bias")
+            raise InvalidRequestError("logit_bias is not supported", "logit_bias", "unsupported_parameter")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise InvalidRequestError(f"at most {MAX_STOP} stop sequences", "stop")
-        if self.stream_options is not None and not self.stream:
-            raise InvalidRequestError("stream_options is only allowed with stream = true", "stream_options")
+        if "" in self.stop_list:
+            raise InvalidRequestError("a stop sequence must not be empty", "stop")
+        if self.stream_options is not None:
+            if not self.stream:
+                raise InvalidRequestError("stream_options is only allowed with stream = true", "stream_options")
+            _refuse_not_implemented(self.stream_options, _STREAM_NOT_IMPLEMENTED, "stream_options.")
+        _refuse_not_implemented(self, self._not_implemented)
         return self
 
     @property
@@ -80,20 +216,22 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt: Text | list[Int] | list[Text] | list[list[Int]]
+    logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Int | None = None
+    suffix: Text | None = None
+
+    _not_implemented = _COMPLETION_NOT_IMPLEMENTED
 
     def checked(self) -> "CompletionRequest":
         super().checked()
         if self.echo:
-            raise InvalidRequestError("echo is not supported", "echo")
+            raise InvalidRequestError("echo is not supported", "echo", "unsupported_parameter")
         if self.best_of not in (None, 1):
-            raise InvalidRequestError("only best_of = 1 is supported", "best_of")
+            raise InvalidRequestError("only best_of = 1 is supported", "best_of", "unsupported_value")
         if self.suffix:
-            raise InvalidRequestError("suffix is not supported", "suffix")
+            raise InvalidRequestError("suffix is not supported", "suffix", "unsupported_parameter")
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
             if len(self.prompt) != 1:
                 raise InvalidRequestError("one prompt per request is supported (got a batch of prompts)", "prompt")
@@ -108,13 +246,15 @@ class CompletionRequest(_Sampling):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    # Passed to the chat template, which renders them if it knows them.
+    name: Text | None = None
+    tool_call_id: Text | None = None
 
     def as_template_dict(self) -> dict:
         content = self.content
@@ -122,19 +262,33 @@ class ChatMessage(_Strict):
             content = "".join(part.text for part in content)
         # Templates know "system"; "developer" is OpenAI's newer name for it.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        out = {"role": role, "content": content or ""}
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # How the chat template renders the messages (vLLM's extensions, as transformers defines them).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    _not_implemented = _CHAT_NOT_IMPLEMENTED
 
     def checked(self) -> "ChatCompletionRequest":
         super().checked()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs = true", "top_logprobs")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequestError("continue_final_message needs add_generation_prompt = false",
+                                      "continue_final_message")
+        for i, message in enumerate(self.messages):
+            _refuse_not_implemented(message, _MESSAGE_NOT_IMPLEMENTED, f"messages[{i}].")
         return self
 
 
@@ -145,9 +299,13 @@ def parse(model: type[_Strict], body: object) -> _Strict:
     try:
         return model.model_validate(body).checked()
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        # A union reports every member's error; our own value checks (a lone surrogate in a
+        # prompt given as a list) say more than "Input should be a valid string" does.
+        first = next((e for e in errors if e["type"] == "value_error"), errors[0])
         param = _param(first["loc"])
-        raise InvalidRequestError(f"{param}: {first['msg']}" if param else first["msg"], param) from None
+        message = first["msg"].removeprefix("Value error, ")
+        raise InvalidRequestError(f"{param}: {message}" if param else message, param) from None
 
 
 def _param(loc: tuple) -> str | None:
