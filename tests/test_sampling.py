@@ -32,6 +32,37 @@ def test_tiny_temperature_stays_finite():
     torch.testing.assert_close(out, torch.tensor([0.0, 1.0, 0.0, 0.0]))
 
 
+@pytest.mark.parametrize("t", [1e-30, 1e-38, 1e-40, 1e-45, 1e-100, 1e-300, 5e-324])
+def test_temperature_below_float32_samples_its_limit(t):
+    # Valid input (positive and finite) that float32 cannot hold as a divisor: the limit of
+    # softmax(l / T) as T -> 0, all the mass on the argmax, shared evenly by exact ties.
+    logits = torch.tensor([[0.2, 3.0, 2.9999998, -50.0], [7.0, 1.0, 7.0, 6.5]], dtype=torch.bfloat16).float()
+    out = process_logits(logits, SamplingParams(temperature=t, top_k=3, top_p=0.9, min_p=0.1))
+    assert torch.isfinite(out).all()
+    expected = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0]])
+    if logits[0, 2] == logits[0, 1]:  # bfloat16 rounded the near-tie to a tie
+        expected[0] = torch.tensor([0.0, 0.5, 0.5, 0.0])
+    assert torch.equal(out, expected)
+    # Sampling it draws only the argmax (each tie in turn), never NaN.
+    draws = sample(out.expand(200, 2, 4), make_generator(0, "cpu"))
+    assert set(draws[:, 0].tolist()) <= {1, 2} and set(draws[:, 1].tolist()) == {0, 2}
+
+
+def test_speculative_sampling_at_a_tiny_temperature_accepts_the_argmax():
+    # The rejection rule compares u * q < p on processed probabilities (no division by T), so
+    # one-hot-like p and q at a tiny T accept an argmax draft and replace any other.
+    from specdec.verify import verify_sampling
+
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 4.0]])
+    params = SamplingParams(temperature=5e-324)
+    p = process_logits(logits, params)
+    q = process_logits(logits[:2] + torch.tensor([0.0, 0.0, 1.5]), params)  # the drafter's argmax differs at 0
+    verdict = verify_sampling(p, q, [2, 0], make_generator(1, "cpu"))
+    assert (verdict.accepted, verdict.next_token) == ([], 1)
+    verdict = verify_sampling(p, None, [1, 0], make_generator(1, "cpu"))
+    assert (verdict.accepted, verdict.next_token) == ([1, 0], 2)
+
+
 def test_greedy_is_one_hot_lowest_index_on_ties():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, -1.0, 2.0, 5.0]], dtype=torch.bfloat16)
     out = process_logits(logits, SamplingParams())
@@ -57,9 +88,11 @@ def test_top_p_keeps_smallest_set_reaching_mass():
         torch.testing.assert_close(out, ref / ref.sum())
 
 
-def test_top_p_always_keeps_one():
-    out = process_logits(LOGITS, SamplingParams(temperature=1.0, top_p=1e-9))
-    assert kept(out) == {1}
+@pytest.mark.parametrize("top_p", [1e-9, 1e-50, 5e-324])
+def test_top_p_always_keeps_one(top_p):
+    # 5e-324 is 0 in float32, where "mass before < top_p" would keep nothing (and divide 0 by 0).
+    out = process_logits(LOGITS, SamplingParams(temperature=1.0, top_p=top_p))
+    assert kept(out) == {1} and torch.isfinite(out).all()
 
 
 def test_min_p_drops_below_fraction_of_max():

@@ -114,6 +114,8 @@ def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
         sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # [..., vocab] each
         mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [..., vocab]
         keep_sorted = mass_before < params.top_p  # [..., vocab] bool, in sorted order
+        # The top token stays explicitly: a top_p below float32's range (5e-324) compares as 0.
+        keep_sorted[..., 0] = True
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)  # back to vocab order
         probs = probs * keep
 

@@ -1,0 +1,240 @@
+"""Property-based requests against the live server (hypothesis, derandomised).
+
+Bodies are built field by field from the request models: valid values, edge values and arbitrary
+JSON for every field the models declare, the known-but-not-implemented fields of
+`protocol.NOT_IMPLEMENTED`, unknown fields, lone surrogates, whole floats for integers; and raw
+bodies (bytes, deep nesting, long integers, other encodings and content types, wrong methods).
+Every case goes over ONE pooled keep-alive connection to uvicorn serving the tiny model in a
+thread, and must hold:
+
+- no response is a 5xx;
+- every 4xx is an OpenAI error object (message, type, param, code: a string or null);
+- a 200 is a whole completion (or an SSE stream ending in `data: [DONE]`);
+- the server then answers `GET /health` on the same connection (or the error said
+  `Connection: close`).
+
+Budget: `derandomize=True` (a fixed seed: the same cases every run), CASES cases per endpoint and
+RAW_CASES raw ones, generation capped at 3 tokens; about a minute on 2 busy cores.
+"""
+
+import json
+from collections import Counter
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specdec.server.app import ServerSettings, create_app
+from specdec.server.protocol import NOT_IMPLEMENTED
+from test_server import SETTINGS, ThreadServer, engine, tiny_folder  # noqa: F401
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+CASES = 300
+RAW_CASES = 200
+FUZZ = settings(max_examples=CASES, derandomize=True, deadline=None, database=None, print_blob=True,
+                suppress_health_check=list(HealthCheck))
+
+statuses: Counter = Counter()  # (endpoint, status) over the whole module, checked at its end
+
+
+@pytest.fixture(scope="module")
+def http(tiny_folder, engine):
+    settings_ = ServerSettings(model=str(tiny_folder), **{**SETTINGS, "max_model_len": 128})
+    srv = ThreadServer(create_app(settings_, load=lambda s: (engine.model, engine.tokenizer))).start()
+    with httpx.Client(base_url=srv.url, timeout=60, limits=httpx.Limits(max_connections=1)) as client:
+        yield client
+    srv.stop()
+
+
+# -- strategies ---------------------------------------------------------------------------------
+
+surrogate = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+printable = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=125), min_size=1, max_size=12)
+hostile_text = st.one_of(st.just(""), st.text(max_size=12),
+                         st.builds(lambda a, s, b: a + s + b, st.text(max_size=3), surrogate, st.text(max_size=3)))
+text = st.one_of(printable, hostile_text)
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False,
+                      allow_infinity=False), text)
+json_any = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+                        max_leaves=6)
+
+
+def mixed(valid, *hostile):
+    """Mostly (3 in 4) `valid`, otherwise one of the `hostile` values or any JSON value at all."""
+    hostile = st.one_of(*hostile, json_any)
+    return st.integers(0, 3).flatmap(lambda i: hostile if i == 3 else valid)
+
+
+def whole(ints):
+    return st.one_of(ints, ints.map(float))
+
+
+# Generation stays at a few tokens: valid lengths are 1-3; anything else is invalid. (Null, which
+# any JSON value may be, means 16 for completions and the rest of the context for chat, so chat's
+# max_tokens is never null.)
+small_tokens = mixed(whole(st.integers(1, 3)), st.sampled_from([0, -1, 129, 10**30, 1.5, "2", True]))
+chat_tokens = small_tokens.filter(lambda v: v is not None)
+numbers = st.one_of(st.floats(0, 1, allow_nan=False), st.sampled_from([0, 1, 1e-100, 5e-324, 1e-40]))
+bad_numbers = st.one_of(st.floats(-2, 3, allow_nan=False), st.sampled_from([1e308, -0.0, 1, 2]))
+token_ids = st.lists(st.integers(3, 96), min_size=1, max_size=8)
+bad_token_ids = st.lists(st.integers(-3, 120), max_size=8)
+
+common = {
+    "model": mixed(st.just("tiny"), text),
+    "temperature": mixed(numbers, bad_numbers),
+    "top_p": mixed(numbers.filter(lambda x: x > 0), bad_numbers),
+    "top_k": mixed(whole(st.integers(-1, 120)), st.integers(-5, -2), st.just(10**40)),
+    "min_p": mixed(numbers.filter(lambda x: x < 1), bad_numbers),
+    "seed": mixed(whole(st.integers(-(2**70), 2**70))),
+    "stop": mixed(st.one_of(printable, st.lists(printable, max_size=3)), hostile_text, st.lists(text, max_size=18)),
+    "stream": mixed(st.booleans()),
+    "stream_options": mixed(st.fixed_dictionaries({}, optional={
+        "include_usage": mixed(st.booleans()), "continuous_usage_stats": mixed(st.sampled_from([None, False])),
+        "include_obfuscation": mixed(st.sampled_from([None, False]))})),
+    "n": mixed(st.sampled_from([1, 1.0]), st.sampled_from([2, 0, "1", 1.5])),
+    "speculative": mixed(st.one_of(st.booleans(), st.fixed_dictionaries({}, optional={
+        "drafter": mixed(st.sampled_from(["none", "ngram", "suffix"]), st.just("eagle")),
+        "num_tokens": mixed(whole(st.integers(0, 16)), st.integers(-2, 40))}))),
+    "presence_penalty": mixed(st.just(0), bad_numbers),
+    "frequency_penalty": mixed(st.just(0.0), bad_numbers),
+    "logit_bias": mixed(st.sampled_from([None, {}]), st.dictionaries(text, numbers, max_size=2)),
+    "user": mixed(text),
+}
+unknown_fields = st.dictionaries(st.text(alphabet="abcdefxyz_", min_size=1, max_size=8).map(lambda k: "x_" + k),
+                                 json_any, max_size=2)  # fields nobody defines
+
+
+def not_implemented(endpoint):
+    """Each known-but-not-implemented field: its neutral values (accepted) or anything (refused)."""
+    return {name: mixed(st.sampled_from([None, *neutral])) for name, (neutral, _) in NOT_IMPLEMENTED[endpoint].items()}
+
+
+def request(endpoint, required, specific):
+    """The required fields, plus up to 4 of the optional ones, plus up to 2 unknown ones."""
+    pool = {**common, **specific, **not_implemented(endpoint)}
+    chosen = st.lists(st.sampled_from(sorted(pool)), max_size=4, unique=True)
+    optional = chosen.flatmap(lambda names: st.fixed_dictionaries({name: pool[name] for name in names}))
+    return st.builds(lambda req, opt, unknown: {**unknown, **opt, **req}, st.fixed_dictionaries(required),
+                     optional, unknown_fields)
+
+
+part = st.fixed_dictionaries({"type": mixed(st.just("text"), st.just("image_url")), "text": mixed(printable, text)})
+message = st.fixed_dictionaries(
+    {"role": mixed(st.sampled_from(["system", "developer", "user", "assistant", "tool"]), st.just("wizard"))},
+    optional={"content": mixed(st.one_of(printable, st.lists(part, min_size=1, max_size=2)), text),
+              "name": mixed(printable, text), "tool_call_id": mixed(printable, text),
+              **{k: mixed(st.sampled_from([None, *n])) for k, (n, _) in NOT_IMPLEMENTED["message"].items()}})
+messages = mixed(st.lists(message, min_size=1, max_size=3), st.just([]))
+
+completion_body = request("completions", {"prompt": mixed(st.one_of(printable, token_ids, st.lists(printable, max_size=1),
+                                                                     st.lists(token_ids, max_size=1)),
+                                                           hostile_text, bad_token_ids, st.lists(text, max_size=3)),
+                                          "max_tokens": small_tokens}, {
+    "logprobs": mixed(whole(st.integers(0, 20)), st.integers(-2, 40)),
+    "echo": mixed(st.just(False), st.just(True)),
+    "best_of": mixed(st.sampled_from([None, 1]), st.integers(-1, 3)),
+    "suffix": mixed(st.sampled_from([None, ""]), text),
+})
+chat_body = request("chat", {"messages": messages, "max_tokens": chat_tokens}, {
+    "max_completion_tokens": small_tokens,
+    "logprobs": mixed(st.booleans()),
+    "top_logprobs": mixed(whole(st.integers(0, 20)), st.integers(-2, 40)),
+    "add_generation_prompt": mixed(st.booleans()),
+    "continue_final_message": mixed(st.booleans()),
+})
+
+
+# -- the properties -----------------------------------------------------------------------------
+
+
+def check(http: httpx.Client, endpoint: str, method: str, path: str, content: bytes | None,
+          headers: dict[str, str]) -> None:
+    request = http.build_request(method, path, content=content, headers=headers)
+    res = http.send(request, stream=True)
+    try:
+        port = res.extensions["network_stream"].get_extra_info("client_addr")[1]
+        res.read()
+    finally:
+        res.close()
+    statuses[endpoint, res.status_code] += 1
+    assert res.status_code < 500, res.text
+    if res.status_code >= 400:
+        error = res.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
+        assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
+        assert error["param"] is None or isinstance(error["param"], str)
+        assert error["code"] is None or isinstance(error["code"], str)
+    elif res.headers["content-type"].startswith("text/event-stream"):
+        events = [e for e in res.text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]" and not any(e.startswith('data: {"error"') for e in events), res.text
+    elif method == "POST":
+        assert res.json()["choices"][0]["finish_reason"] in ("stop", "length"), res.text
+    after = http.send(http.build_request("GET", "/health"), stream=True)
+    try:
+        assert after.status_code == 200
+        if res.headers.get("connection") != "close":
+            assert after.extensions["network_stream"].get_extra_info("client_addr")[1] == port, \
+                "the server dropped a keep-alive connection after this response"
+        after.read()
+    finally:
+        after.close()
+
+
+def send_json(http, endpoint, path, body):
+    # \\u escapes (ensure_ascii) carry lone surrogates, which UTF-8 cannot.
+    check(http, endpoint, "POST", path, json.dumps(body).encode(), {"content-type": "application/json"})
+
+
+@FUZZ
+@given(body=completion_body)
+def test_fuzz_completions(http, body):
+    send_json(http, "completions", C, body)
+
+
+@FUZZ
+@given(body=chat_body)
+def test_fuzz_chat(http, body):
+    send_json(http, "chat", CHAT, body)
+
+
+raw_body = st.one_of(
+    st.binary(max_size=40),
+    st.integers(1, 3000).map(lambda d: b'{"prompt": ' + b"[" * d + b"]" * d + b"}"),
+    st.integers(1, 3000).map(lambda d: b'{"a":' * d + b"0" + b"}" * d),
+    st.integers(1, 6000).map(lambda n: b'{"prompt": "hi", "max_tokens": 1, "seed": ' + b"9" * n + b"}"),
+    st.sampled_from([b"NaN", b'{"prompt": "hi", "temperature": Infinity}', b"[]", b"null", b'"x"', b"{}",
+                     b'{"prompt": "hi", "max_tokens": 1}', b'{"messages": [{"role": "user", "content": "x"}]}']),
+    st.builds(lambda body, codec: json.dumps(body).encode(codec), st.fixed_dictionaries(
+        {"prompt": st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=125), min_size=1, max_size=8),
+         "max_tokens": st.integers(1, 2)}), st.sampled_from(["utf-8", "utf-16", "utf-32", "latin-1"])),
+)
+content_type = st.sampled_from([None, "application/json", "application/json; charset=utf-8", "APPLICATION/JSON",
+                                "application/json; charset=utf-16", "application/x-www-form-urlencoded",
+                                "multipart/form-data; boundary=x", "text/plain", "application/problem+json", ""])
+
+
+# Mostly a POST to an endpoint that reads the body; sometimes a wrong method or path.
+target = st.integers(0, 3).flatmap(lambda i: st.tuples(
+    st.sampled_from(["GET", "PUT", "DELETE", "PATCH", "POST"]),
+    st.sampled_from([C, CHAT, "/v1/models", "/health", "/metrics", "/v1/nothing", "/openapi.json"]))
+    if i == 3 else st.tuples(st.just("POST"), st.sampled_from([C, CHAT])))
+
+
+@settings(FUZZ, max_examples=RAW_CASES)
+@given(target=target, body=raw_body, ctype=content_type)
+def test_fuzz_raw_bodies(http, target, body, ctype):
+    method, path = target
+    headers = {} if ctype is None else {"content-type": ctype}
+    check(http, "raw", method, path, body, headers)
+
+
+def test_the_fuzz_run_reached_both_outcomes():
+    """The runs above exercised successes as well as refusals (and ran every case): a generator
+    that only ever produced garbage would prove little."""
+    for endpoint, cases in (("completions", CASES), ("chat", CASES), ("raw", RAW_CASES)):
+        counts = {status: n for (e, status), n in statuses.items() if e == endpoint}
+        assert sum(counts.values()) >= cases, (endpoint, counts)
+        assert counts.get(200, 0) >= cases // 20 and sum(n for s, n in counts.items() if s >= 400) >= cases // 5, \
+            (endpoint, counts)
+    print("fuzz cases by endpoint and status:", dict(sorted(statuses.items())))
