@@ -428,8 +428,8 @@ def test_cli_serve_drains_on_sigterm(tiny_folder):
                 pass
             assert time.time() < deadline
             time.sleep(0.2)
-        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "stream": True}
-        # No drafting, so that the 60 tokens take long enough to see the drain answer meanwhile.
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 480, "temperature": 0, "stream": True}
+        # 480 tokens without drafting: long enough to see the drain answer meanwhile.
         body = {**body, "speculative": False}
         with httpx.stream("POST", url + C, json=body, timeout=60) as res:
             lines = (ln for ln in res.iter_lines() if ln)
@@ -447,7 +447,7 @@ def test_cli_serve_drains_on_sigterm(tiny_folder):
             rest = list(lines)
         chunks = [json.loads(ln[6:]) for ln in [first] + rest[:-1]]
         assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert len("".join(c["choices"][0]["text"] for c in chunks)) == 60  # one char per token
+        assert len("".join(c["choices"][0]["text"] for c in chunks)) == 480  # one char per token
         assert proc.wait(30) == 0
         with pytest.raises(httpx.ConnectError):  # and then gone
             httpx.get(url + "/health")

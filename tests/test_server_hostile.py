@@ -301,8 +301,7 @@ def test_openapi_declares_the_request_bodies(http):
 
 @pytest.fixture(scope="module")
 def keyed_server(tiny_folder, engine):
-    settings = ServerSettings(model=str(tiny_folder), **{**SETTINGS, "max_batch": 1, "max_queue": 0},
-                              api_key="sesame")
+    settings = ServerSettings(model=str(tiny_folder), **SETTINGS, api_key="sesame")
     srv = ThreadServer(create_app(settings, load=lambda s: (engine.model, engine.tokenizer))).start()
     yield srv.url
     srv.stop()
@@ -316,20 +315,6 @@ def test_bearer_scheme_is_case_insensitive(keyed_server):
     for header in ("bearer Sesame", "Basic sesame", "sesame", "Bearer"):
         res = httpx.post(keyed_server + C, json=body, headers={"authorization": header})
         assert assert_error(res, 401)["code"] == "invalid_api_key"
-
-
-def test_a_full_queue_is_a_429_with_retry_after(keyed_server):
-    auth = {"authorization": "Bearer sesame"}
-    # No drafting: the tiny model's repetitive text would let prompt lookup finish 480 tokens fast.
-    body = {"prompt": PROMPT, "max_tokens": 480, "temperature": 0, "stream": True, "speculative": False}
-    with httpx.Client(timeout=60) as hold, hold.stream("POST", keyed_server + C, json=body, headers=auth) as first:
-        lines = first.iter_lines()  # kept: a dropped iterator closes the connection
-        next(lines)
-        assert metric(keyed_server, "num_requests_running") == 1  # the one row is taken; the queue holds 0
-        res = httpx.post(keyed_server + C, json={**body, "stream": False}, headers=auth)
-        error = assert_error(res, 429)
-        assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
-        assert int(res.headers["retry-after"]) >= 1
 
 
 def test_an_internal_fault_closes_its_connection(tiny_folder, engine):
@@ -355,22 +340,59 @@ def test_an_internal_fault_closes_its_connection(tiny_folder, engine):
         srv.stop()
 
 
-# -- 2. a non-streaming client that disconnects ----------------------------------------------
+# -- 2. a non-streaming client that disconnects; a full queue ----------------------------------
+#
+# These need a request that surely runs for many seconds: the default model generating up to
+# 1000 tokens (the tiny model can finish hundreds of tokens within the client's half second when
+# the machine is idle). One batch row, no queue.
+
+LONG = {"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "speculative": False}
 
 
-@pytest.mark.parametrize("path", [C, CHAT])
-def test_disconnected_non_streaming_request_frees_its_row_within_a_second(server, path):
-    cancelled = metric(server, "request_success_total", ',finished_reason="cancelled"')
-    body = {"prompt": PROMPT} if path == C else {"messages": [{"role": "user", "content": PROMPT}]}
-    # 400 tokens one by one take the tiny model many seconds; the client gives up after half a second.
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server + path, json={**body, "max_tokens": 400, "temperature": 0, "speculative": False},
-                   timeout=httpx.Timeout(30, read=0.5))
-    gone = time.time()
-    while metric(server, "request_success_total", ',finished_reason="cancelled"') != cancelled + 1:
+@pytest.fixture(scope="module")
+def one_row_server(default_engine_fp32):
+    eng = default_engine_fp32
+    settings = ServerSettings(served_model_name="gemma", max_batch=1, max_queue=0, max_model_len=1024,
+                              dtype="float32")
+    srv = ThreadServer(create_app(settings, load=lambda s: (eng.model, eng.tokenizer))).start()
+    yield srv.url
+    srv.stop()
+
+
+def wait_idle(url: str) -> None:
+    deadline = time.time() + 10
+    while metric(url, "num_requests_running") != 0:
+        assert time.time() < deadline
+        time.sleep(0.02)
+
+
+def test_disconnected_non_streaming_request_frees_its_row_within_a_second(one_row_server):
+    url = one_row_server
+    wait_idle(url)
+    cancelled = metric(url, "request_success_total", ',finished_reason="cancelled"')
+    try:
+        res = httpx.post(url + C, json=LONG, timeout=httpx.Timeout(30, read=0.5))
+    except httpx.ReadTimeout:  # the client gives up after half a second and closes its connection
+        gone = time.time()
+    else:
+        pytest.fail(f"answered before the client left: {res.status_code} {res.text[:200]}")
+    while metric(url, "request_success_total", ',finished_reason="cancelled"') != cancelled + 1:
         assert time.time() - gone < 1.0, "the abandoned request still holds its batch row"
         time.sleep(0.02)
-    assert metric(server, "num_requests_running") == 0
+    assert metric(url, "num_requests_running") == 0
+
+
+def test_a_full_queue_is_a_429_with_retry_after(one_row_server):
+    url = one_row_server
+    wait_idle(url)
+    with httpx.Client(timeout=60) as hold, hold.stream("POST", url + C, json={**LONG, "stream": True}) as first:
+        lines = first.iter_lines()  # kept: a dropped iterator closes the connection
+        next(lines)
+        assert metric(url, "num_requests_running") == 1  # the one row is taken; the queue holds 0
+        res = httpx.post(url + C, json={**LONG, "max_tokens": 2})
+        error = assert_error(res, 429)
+        assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+        assert int(res.headers["retry-after"]) >= 1
 
 
 # -- the CLI's serve: a model that fails to load, a port in use ---------------------------------
@@ -399,3 +421,10 @@ def test_serve_on_a_port_in_use_says_so(tiny_folder):
     assert res.returncode == 2 and "Traceback" not in res.stderr and "serving" not in res.stderr
     assert res.stderr.strip().splitlines() == [
         f"specdec: error: port {port} on {HOST} is already in use (another server?): pick another with --port"]
+
+
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_serve_refuses_a_port_out_of_range(tiny_folder, port, capsys):
+    # Before anything is bound: getaddrinfo would otherwise take 70000 as 70000 % 65536.
+    assert cli_main(["serve", "--model", str(tiny_folder), "--port", port]) == 2
+    assert capsys.readouterr().err.strip() == f"specdec: error: --port must be in [0, 65535], got {port}"

@@ -66,13 +66,13 @@ def bind(host: str, port: int) -> socket.socket:
     """The listening socket for `host`:`port`, bound here (not by uvicorn) so that a port in use is
     one clear error before anything says "serving", with no window for another process to take
     the port in between."""
+    if not 0 <= port <= 65535:  # getaddrinfo would take 70000 as 70000 % 65536
+        raise InvalidRequestError(f"--port must be in [0, 65535], got {port}", "port")
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
     except (socket.gaierror, UnicodeError) as exc:
         raise InvalidRequestError(f"--host {host!r}: cannot resolve it ({exc})", "host") from None
-    except OverflowError:
-        raise InvalidRequestError(f"--port must be in [0, 65535], got {port}", "port") from None
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
