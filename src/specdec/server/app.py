@@ -93,6 +93,9 @@ class APIError(Exception):
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
+    # A message quoting the client's text could hold a lone surrogate, which UTF-8 cannot encode:
+    # escape it rather than fail while reporting the error.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
