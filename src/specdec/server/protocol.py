@@ -10,13 +10,14 @@ Three kinds of fields:
   implement (tools, structured output, penalties, ...): accepted only at their neutral value
   (null, or the value that changes nothing, e.g. `ignore_eos: false`), otherwise a 400 that names
   the field with code "unsupported_parameter". They are listed in `NOT_IMPLEMENTED`;
-- fields nobody defines: ignored (as vLLM and OpenAI's own SDKs tolerate), so clients that send
-  options of their own keep working.
+- fields nobody defines: ignored (as vLLM ignores them), so clients that send options of their
+  own keep working.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
@@ -50,8 +51,9 @@ def _same(value: object, neutral: object) -> bool:
     # `ignore_eos: 0` is not `false`, and `min_tokens: false` is not 0: booleans match only booleans.
     if isinstance(value, bool) or isinstance(neutral, bool):
         return value is neutral
-    return type(value) in (int, float) and type(neutral) in (int, float) and value == neutral \
-        or type(value) is type(neutral) and value == neutral
+    if isinstance(value, (int, float)) and isinstance(neutral, (int, float)):
+        return value == neutral  # 1 and 1.0
+    return type(value) is type(neutral) and value == neutral
 
 
 # Known fields this server does not implement: name -> (its neutral values besides null, what to
@@ -133,15 +135,9 @@ def _refuse_not_implemented(model: BaseModel, table: dict[str, tuple[tuple, str]
         if name in table and value is not None:
             neutral, why = table[name]
             if not any(_same(value, n) for n in neutral):
-                allowed = " or ".join(["null"] + [_show(n) for n in neutral])
+                allowed = " or ".join(["null"] + [json.dumps(n) for n in neutral])
                 raise InvalidRequestError(f"{prefix}{name}: {why} (accepted only as {allowed})", prefix + name,
                                           "unsupported_parameter")
-
-
-def _show(value: object) -> str:
-    import json
-
-    return json.dumps(value)
 
 
 class _Strict(BaseModel):
@@ -183,7 +179,7 @@ class _Sampling(_Strict):
     # OpenAI's end-user id (for abuse monitoring): accepted, changes nothing by definition.
     user: Text | None = None
 
-    _not_implemented = _COMMON_NOT_IMPLEMENTED
+    _not_implemented: ClassVar[dict[str, tuple[tuple, str]]] = _COMMON_NOT_IMPLEMENTED
 
     def checked(self) -> "_Sampling":
         if self.n != 1:
@@ -222,7 +218,7 @@ class CompletionRequest(_Sampling):
     best_of: Int | None = None
     suffix: Text | None = None
 
-    _not_implemented = _COMPLETION_NOT_IMPLEMENTED
+    _not_implemented: ClassVar[dict[str, tuple[tuple, str]]] = _COMPLETION_NOT_IMPLEMENTED
 
     def checked(self) -> "CompletionRequest":
         super().checked()
@@ -278,7 +274,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    _not_implemented = _CHAT_NOT_IMPLEMENTED
+    _not_implemented: ClassVar[dict[str, tuple[tuple, str]]] = _CHAT_NOT_IMPLEMENTED
 
     def checked(self) -> "ChatCompletionRequest":
         super().checked()
