@@ -127,9 +127,9 @@ message = st.fixed_dictionaries(
               **{k: mixed(st.sampled_from([None, *n])) for k, (n, _) in NOT_IMPLEMENTED["message"].items()}})
 messages = mixed(st.lists(message, min_size=1, max_size=3), st.just([]))
 
-completion_body = request("completions", {"prompt": mixed(st.one_of(printable, token_ids, st.lists(printable, max_size=1),
-                                                                     st.lists(token_ids, max_size=1)),
-                                                           hostile_text, bad_token_ids, st.lists(text, max_size=3)),
+prompt = mixed(st.one_of(printable, token_ids, st.lists(printable, max_size=1), st.lists(token_ids, max_size=1)),
+               hostile_text, bad_token_ids, st.lists(text, max_size=3))
+completion_body = request("completions", {"prompt": prompt,
                                           "max_tokens": small_tokens}, {
     "logprobs": mixed(whole(st.integers(0, 20)), st.integers(-2, 40)),
     "echo": mixed(st.just(False), st.just(True)),
