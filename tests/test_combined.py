@@ -6,7 +6,7 @@ import torch
 
 from specdec import Engine, SamplingParams
 from specdec.bench.configs import eagle_name, parse_config
-from specdec.drafters import NgramDrafter, Proposal, SuffixDrafter, TreeDrafter
+from specdec.drafters import DrafterNeeds, NgramDrafter, Proposal, SuffixDrafter
 from specdec.drafters.combined import LEARNED, LookupFirstDrafter, lookup_first, split_name
 from specdec.drafters.eagle import EagleDrafter
 from specdec.engine import draft_model_path
@@ -23,6 +23,7 @@ class Recorder:
     """A drafter stand-in that proposes fixed tokens and records every call."""
 
     name = "rec"
+    needs = DrafterNeeds(observes=(-1,), labels_proposals=True)
 
     def __init__(self, tokens):
         self.tokens, self.calls = tokens, []
@@ -69,8 +70,8 @@ def test_who_drafts_and_who_hears_back():
 
 def test_trees_only_when_both_parts_draft_them(tiny_models):
     head = EagleDrafter(te.random_head(tiny_models["llama"]["target"], 50))
-    assert isinstance(lookup_first(NgramDrafter(), head), TreeDrafter)
-    assert not isinstance(lookup_first(SuffixDrafter(), head), TreeDrafter)
+    assert lookup_first(NgramDrafter(), head).needs.trees
+    assert not lookup_first(SuffixDrafter(), head).needs.trees
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -79,7 +80,8 @@ def test_greedy_identity_with_both_kinds_drafting(tiny_models, family, length, t
     target = tiny_models[family]["target"]
     lookup = NgramDrafter()
     drafter = lookup_first(lookup, EagleDrafter(te.random_head(target, 60, seed=1)))
-    engine, plain = Engine(target, None, drafter, 4, length, tree), Engine(target, None)
+    engine, plain = Engine(target, None, drafter=drafter, num_speculative_tokens=4, draft_length=length,
+                           draft_tree=tree), Engine(target, None)
     kinds = []
     real_propose = lookup.propose_tree if tree else lookup.propose
     def counting(*args, **kwargs):
@@ -113,7 +115,7 @@ def test_names_and_options(tmp_path):
     with pytest.raises(InvalidRequestError, match="unknown drafter"):
         draft_model_path("ngram+/no/such/model")
     with pytest.raises(InvalidRequestError, match="cannot propose draft trees"):
-        Engine.load("default", "suffix+eagle", draft_tree="3x2x6")  # fails before loading anything
+        Engine.load("default", drafter="suffix+eagle", draft_tree="3x2x6")  # fails before loading anything
     c = parse_config("eagle:k=8:lookup=ngram")
     assert eagle_name(c.options) == "ngram+eagle" and c.k == 8
     assert eagle_name(parse_config(f"eagle:lookup=suffix:head={te.DEFAULT_HEAD_DIR}").options) == \

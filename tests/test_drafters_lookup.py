@@ -7,14 +7,13 @@ import pytest
 import torch
 
 from specdec.drafters import (
-    AdaptiveDraftLength,
-    CostAwareDraftLength,
     Drafter,
     NgramDrafter,
     Proposal,
     SuffixDrafter,
 )
 from specdec.errors import InvalidRequestError
+from specdec.policy import AdaptiveDraftLength, CostAwareDraftLength
 
 
 def brute_force_lookup(context, k, max_ngram, min_ngram):

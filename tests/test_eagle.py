@@ -48,7 +48,8 @@ def features(target: Transformer, ids: list[int]) -> torch.Tensor:  # [len(ids),
 def test_greedy_identity_random_head(tiny_models, family, k, draft_vocab):
     target = tiny_models[family]["target"]
     drafter = EagleDrafter(random_head(target, draft_vocab))
-    engine, plain = Engine(target, None, drafter, k, "fixed"), Engine(target, None)
+    engine, plain = Engine(target, None, drafter=drafter, num_speculative_tokens=k,
+                           draft_length="fixed"), Engine(target, None)
     drafted = 0
     for ids in prompts(3):
         out = engine.generate(prompt_ids=ids, max_new_tokens=40)
@@ -82,7 +83,8 @@ def test_save_load_roundtrip_through_engine_load(tiny_models, tmp_path):
                          num_speculative_tokens=3)
     assert isinstance(engine.drafter, EagleDrafter)
     ids = prompts(1)[0]
-    a = Engine(target, None, EagleDrafter(head), 3, "fixed").generate(prompt_ids=ids, max_new_tokens=24)
+    a = Engine(target, None, drafter=EagleDrafter(head), num_speculative_tokens=3,
+               draft_length="fixed").generate(prompt_ids=ids, max_new_tokens=24)
     b = engine.generate(prompt_ids=ids, max_new_tokens=24)
     assert a.token_ids == b.token_ids and [s.accepted for s in a.steps] == [s.accepted for s in b.steps]
 
@@ -163,7 +165,7 @@ def test_sub_vocabulary_q_equals_full_vocabulary_processing(tiny_models):
 def test_tree_greedy_identity_random_head(tiny_models, family):
     target = tiny_models[family]["target"]
     drafter = EagleDrafter(random_head(target, 70, seed=2))
-    plain, tree = Engine(target, None), Engine(target, None, drafter, draft_tree="3x3x10")
+    plain, tree = Engine(target, None), Engine(target, None, drafter=drafter, draft_tree="3x3x10")
     for ids in prompts(2):
         got = tree.generate(prompt_ids=ids, max_new_tokens=30).token_ids
         assert got == plain.generate(prompt_ids=ids, max_new_tokens=30).token_ids
@@ -247,14 +249,16 @@ def test_training_raises_acceptance_and_keeps_identity(tmp_path):
     train_head(target, None, untrained, TrainConfig(steps=0, **TINY_TRAIN), log=lambda *a: None)
     trained = tmp_path / "t"
     train_head(target, None, trained, TrainConfig(steps=40, **TINY_TRAIN), log=lambda *a: None)
-    before = acceptance(Engine(target, None, EagleDrafter.load(untrained, target), 4, "fixed"), 48)
+    before = acceptance(Engine(target, None, drafter=EagleDrafter.load(untrained, target), num_speculative_tokens=4,
+                               draft_length="fixed"), 48)
     drafter = EagleDrafter.load(trained, target)
-    after = acceptance(Engine(target, None, drafter, 4, "fixed"), 48)
+    after = acceptance(Engine(target, None, drafter=drafter, num_speculative_tokens=4, draft_length="fixed"), 48)
     info = json.loads((trained / "eagle.json").read_text())["training"]
     assert info["final_stats"]["acc1"] > 0.5
     assert after > before + 0.2, (before, after)
     # Trees: more candidates per position, so more tokens per target pass than the chain.
-    chain, tree = Engine(target, None, drafter, 4, "fixed"), Engine(target, None, drafter, draft_tree="4x3x12")
+    chain, tree = Engine(target, None, drafter=drafter, num_speculative_tokens=4,
+                         draft_length="fixed"), Engine(target, None, drafter=drafter, draft_tree="4x3x12")
     chain_steps, tree_steps = [], []
     for ids in prompts(4, 6, 48):
         out = chain.generate(prompt_ids=ids, max_new_tokens=40)
@@ -303,7 +307,8 @@ def test_cli_train_draft_smoke(tiny_models, tmp_path):
     assert meta["training"]["steps_done"] == 4 and meta["draft_vocab_size"] == 50
     # The written head loads by name (the CLI's `--drafter eagle:DIR` goes through the same call).
     target, _ = loader.load(folder, torch.float32, "cpu")
-    engine = Engine(target, None, make_drafter(f"eagle:{tmp_path / 'o'}", target), 3, "fixed")
+    engine = Engine(target, None, drafter=make_drafter(f"eagle:{tmp_path / 'o'}", target), num_speculative_tokens=3,
+                    draft_length="fixed")
     ids = prompts(1)[0]
     assert engine.generate(prompt_ids=ids, max_new_tokens=12).token_ids == \
         Engine(target, None).generate(prompt_ids=ids, max_new_tokens=12).token_ids
@@ -316,7 +321,7 @@ def test_cli_train_draft_smoke(tiny_models, tmp_path):
 def test_default_model_with_shipped_head(default_engine_fp32):
     e = default_engine_fp32
     drafter = make_drafter("eagle", e.model)
-    spec = Engine(e.model, e.tokenizer, drafter, 4, "fixed")
+    spec = Engine(e.model, e.tokenizer, drafter=drafter, num_speculative_tokens=4, draft_length="fixed")
     drafted = accepted = 0
     for prompt in ("Question: What are the three primary colors?\nAnswer:",
                    "def fibonacci(n):\n    if n < 2:\n        return n\n"):

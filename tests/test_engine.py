@@ -28,7 +28,7 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("k,length", [(1, "fixed"), (3, "fixed"), (8, "fixed"), (3, "adaptive"), (8, "cost")])
 def test_tiny_greedy_identity(tiny, make, k, length):
     plain = Engine(tiny, None)
-    spec = Engine(tiny, None, make(), k, length)
+    spec = Engine(tiny, None, drafter=make(), num_speculative_tokens=k, draft_length=length)
     for seed in range(3):
         ids = torch.randint(0, 20, (12,), generator=torch.Generator().manual_seed(seed)).tolist() * 2
         a = plain.generate(prompt_ids=ids, max_new_tokens=40)
@@ -38,7 +38,8 @@ def test_tiny_greedy_identity(tiny, make, k, length):
 
 
 def test_default_model_greedy_identity(default_engine_fp32):
-    spec_engines = [Engine(default_engine_fp32.model, default_engine_fp32.tokenizer, d(), 5) for d in
+    spec_engines = [Engine(default_engine_fp32.model, default_engine_fp32.tokenizer, drafter=d(),
+                           num_speculative_tokens=5) for d in
                     (NgramDrafter, SuffixDrafter)]
     gained = 0
     for prompt in PROMPTS:
@@ -54,7 +55,8 @@ def test_stop_string_ends_output_like_plain(default_engine_fp32):
     prompt = PROMPTS[0]
     full = default_engine_fp32.generate(prompt=prompt, max_new_tokens=40)
     stop = full.text[10:14]
-    spec = Engine(default_engine_fp32.model, default_engine_fp32.tokenizer, NgramDrafter(), 8)
+    spec = Engine(default_engine_fp32.model, default_engine_fp32.tokenizer, drafter=NgramDrafter(),
+                  num_speculative_tokens=8)
     a = default_engine_fp32.generate(prompt=prompt, max_new_tokens=40, stop=stop)
     b = spec.generate(prompt=prompt, max_new_tokens=40, stop=stop)
     assert a.finish_reason == b.finish_reason == "stop"
@@ -64,7 +66,7 @@ def test_stop_string_ends_output_like_plain(default_engine_fp32):
 
 @pytest.mark.parametrize("length", ["fixed", "cost"])
 def test_seeded_sampling_reproducible(tiny, length):
-    engine = Engine(tiny, None, NgramDrafter(), 4, length)
+    engine = Engine(tiny, None, drafter=NgramDrafter(), num_speculative_tokens=4, draft_length=length)
     sp = SamplingParams(temperature=0.9, top_p=0.9, seed=7)
     ids = list(range(10)) * 2
     a = engine.generate(prompt_ids=ids, max_new_tokens=30, sampling=sp)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specdec import Engine, SamplingParams
-from specdec.drafters import NgramDrafter, SuffixDrafter, TreeDrafter, TreeShape
+from specdec.drafters import DrafterNeeds, NgramDrafter, SuffixDrafter, TreeShape
 from specdec.drafters.eagle import EagleDrafter
 from specdec.errors import InvalidRequestError
 from specdec.models import loader
@@ -44,6 +44,7 @@ class OracleTree:
     the other nodes are decoys (never the true token under the same parent)."""
 
     name = "oracle"
+    needs = DrafterNeeds(trees=True)
 
     def __init__(self, prompt, truth, seed=0):
         self.prompt, self.truth, self.rng = list(prompt), list(truth), random.Random(seed)
@@ -124,7 +125,7 @@ def test_oracle_tree_greedy_identity(targets, family, shape):
     for seed, ids in enumerate(prompts(2)):
         truth = plain.generate(prompt_ids=ids, max_new_tokens=40).token_ids
         oracle = OracleTree(ids, truth, seed)
-        out = Engine(target, None, oracle, draft_tree=shape).generate(prompt_ids=ids, max_new_tokens=40)
+        out = Engine(target, None, drafter=oracle, draft_tree=shape).generate(prompt_ids=ids, max_new_tokens=40)
         assert out.token_ids == truth
         check_stats(out)
         assert out.stats.accepted_tokens > 0
@@ -135,7 +136,7 @@ def test_oracle_tree_greedy_identity(targets, family, shape):
 def test_eagle_tree_greedy_identity(targets, family, shape):
     target = targets[family]
     drafter = EagleDrafter(random_head(target, V, seed=2))
-    plain, tree = Engine(target, None), Engine(target, None, drafter, draft_tree=shape)
+    plain, tree = Engine(target, None), Engine(target, None, drafter=drafter, draft_tree=shape)
     for ids in prompts(2, seed=5):
         out = tree.generate(prompt_ids=ids, max_new_tokens=30)
         assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=30).token_ids
@@ -157,7 +158,7 @@ def repetitive(seed, n=60):
 @pytest.mark.parametrize("shape", ["4x3x12", "1x1x1", "6x1x6", "3x2x4"])
 def test_ngram_tree_greedy_identity(targets, shape):
     target = targets["gemma3"]
-    plain, tree = Engine(target, None), Engine(target, None, NgramDrafter(), draft_tree=shape)
+    plain, tree = Engine(target, None), Engine(target, None, drafter=NgramDrafter(), draft_tree=shape)
     for seed in range(3):
         ids = repetitive(seed)
         out = tree.generate(prompt_ids=ids, max_new_tokens=40)
@@ -176,12 +177,13 @@ def test_stop_string_and_limit_inside_an_accepted_path(targets):
         truth = plain.generate(prompt_ids=ids, max_new_tokens=40)
         stop = LetterTokenizer.decode(truth.token_ids[13:15])
         want = plain.generate(prompt_ids=ids, max_new_tokens=40, stop=stop)
-        spec = Engine(target, LetterTokenizer(), OracleTree(ids, truth.token_ids, seed), draft_tree="6x2x10")
+        spec = Engine(target, LetterTokenizer(), drafter=OracleTree(ids, truth.token_ids, seed), draft_tree="6x2x10")
         got = spec.generate(prompt_ids=ids, max_new_tokens=40, stop=stop)
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, "stop")
         cut_inside += sum(len(st.accepted) + 1 for st in got.steps) > len(got.token_ids)
         for limit in (1, 7, 17):
-            spec = Engine(target, LetterTokenizer(), OracleTree(ids, truth.token_ids, seed), draft_tree="6x3x12")
+            spec = Engine(target, LetterTokenizer(), drafter=OracleTree(ids, truth.token_ids, seed),
+                          draft_tree="6x3x12")
             got = spec.generate(prompt_ids=ids, max_new_tokens=limit)
             assert got.token_ids == truth.token_ids[:limit] and got.finish_reason == "length"
             assert all(len(st.accepted) < limit for st in got.steps)  # no drafting past the allowance
@@ -195,7 +197,7 @@ def test_seeded_sampling_is_reproducible(targets):
     target = targets["llama"]
     ids = repetitive(2, 30)
     for drafter in (EagleDrafter(random_head(target, V, seed=3)), NgramDrafter()):
-        engine = Engine(target, None, drafter, draft_tree="3x3x9")
+        engine = Engine(target, None, drafter=drafter, draft_tree="3x3x9")
         sp = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
         a = engine.generate(prompt_ids=ids, max_new_tokens=30, sampling=sp)
         b = engine.generate(prompt_ids=ids, max_new_tokens=30, sampling=sp)
@@ -219,10 +221,12 @@ def test_sampling_tree_gets_no_q(targets, monkeypatch):
     target = targets["llama"]
     drafter = EagleDrafter(random_head(target, V, seed=3))
     sp = SamplingParams(temperature=0.8, seed=1)
-    Engine(target, None, drafter, draft_tree="3x3x9").generate(prompt_ids=prompts(1)[0], max_new_tokens=8, sampling=sp)
+    Engine(target, None, drafter=drafter, draft_tree="3x3x9").generate(prompt_ids=prompts(1)[0], max_new_tokens=8,
+                                                                       sampling=sp)
     assert seen and all(kind == "tree" and q is None for kind, q in seen)
     seen.clear()
-    Engine(target, None, drafter, 3).generate(prompt_ids=prompts(1)[0], max_new_tokens=8, sampling=sp)
+    chain = Engine(target, None, drafter=drafter, num_speculative_tokens=3, draft_length="fixed")
+    chain.generate(prompt_ids=prompts(1)[0], max_new_tokens=8, sampling=sp)
     assert seen and all(kind == "chain" and q is not None and q.shape[1] == V for kind, q in seen)
 
 
@@ -234,14 +238,14 @@ def test_tree_shape_and_engine_errors(targets):
     for bad in ("5x4", "ax4x2", "0x4x24", "5x4x0", ""):
         with pytest.raises(InvalidRequestError, match="draft tree"):
             TreeShape.parse(bad)
-    assert isinstance(NgramDrafter(), TreeDrafter) and not isinstance(SuffixDrafter(), TreeDrafter)
+    assert NgramDrafter().needs.trees and not SuffixDrafter().needs.trees
     target = targets["llama"]
     with pytest.raises(InvalidRequestError, match="cannot propose draft trees"):
-        Engine(target, None, SuffixDrafter(), draft_tree="3x2x4")
+        Engine(target, None, drafter=SuffixDrafter(), draft_tree="3x2x4")
     with pytest.raises(InvalidRequestError, match="cannot propose draft trees"):
-        Engine(target, None, None, draft_tree="3x2x4")
+        Engine(target, None, drafter=None, draft_tree="3x2x4")
     with pytest.raises(InvalidRequestError, match="fixed shape"):
-        Engine(target, None, NgramDrafter(), draft_length="adaptive", draft_tree="3x2x4")
+        Engine(target, None, drafter=NgramDrafter(), draft_length="adaptive", draft_tree="3x2x4")
 
 
 @pytest.mark.parametrize("args,needle", [

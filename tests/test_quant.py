@@ -76,8 +76,8 @@ def test_int8_model_close_and_speculative_greedy_identical(tmp_path, family):
     top_agree = (a.argmax(-1) == b.argmax(-1)).float().mean()
     assert top_agree > 0.9
     plain = Engine(model, None)
-    spec = Engine(model, None, NgramDrafter(), 5)
-    full_head = Engine(model, None, NgramDrafter(), 5, screen_verify=False)
+    spec = Engine(model, None, drafter=NgramDrafter(), num_speculative_tokens=5)
+    full_head = Engine(model, None, drafter=NgramDrafter(), num_speculative_tokens=5, screen_verify=False)
     assert spec.screen_verify and not full_head.screen_verify
     # Count the rows the full output head scores in verify passes, to see the screen cut some.
     head_rows = []

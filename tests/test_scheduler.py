@@ -6,7 +6,8 @@ import torch
 from specdec import Engine, SamplingParams
 from specdec.errors import InvalidRequestError
 from specdec.models import loader
-from specdec.scheduler import BatchScheduler, GoodputModel, QueueFullError, Request, ShuttingDownError
+from specdec.policy import GoodputModel
+from specdec.scheduler import BatchScheduler, QueueFullError, Request, ShuttingDownError
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,8 @@ def test_batched_greedy_equals_alone(tiny, drafter, k):
     lengths = [5 + 4 * (i % 5) for i in range(11)]  # rows finish at different steps
     refs = [plain.generate(prompt_ids=p, max_new_tokens=n).token_ids for p, n in zip(ps, lengths)]
     # 11 requests through 4 rows: requests join as others leave, and rows get moved.
-    sched = BatchScheduler(tiny, None, drafter, k, max_batch=4, max_model_len=256).start()
+    sched = BatchScheduler(tiny, None, drafter=drafter, num_speculative_tokens=k, max_batch=4,
+                           max_model_len=256).start()
     # Mixed per-request overrides in the same batch.
     overrides = [(None, None), ("ngram", 2), ("none", 0), (None, 6)]
     handles = [sched.submit(Request(p, n, drafter=overrides[i % 4][0], num_speculative_tokens=overrides[i % 4][1]))
@@ -46,7 +48,8 @@ def test_batched_greedy_equals_alone(tiny, drafter, k):
 
 
 def test_seeded_sampling_alone_is_reproducible_and_rows_have_own_rngs(tiny):
-    sched = BatchScheduler(tiny, None, "ngram", 3, max_batch=4, max_model_len=256).start()
+    sched = BatchScheduler(tiny, None, drafter="ngram", num_speculative_tokens=3, max_batch=4,
+                           max_model_len=256).start()
     p = prompts(1)[0]
     sp = SamplingParams(temperature=1.0, seed=11)
     a = sched.submit(Request(p, 30, sp)).result().token_ids
@@ -60,7 +63,8 @@ def test_seeded_sampling_alone_is_reproducible_and_rows_have_own_rngs(tiny):
 
 
 def test_speculation_fades_under_load(tiny):
-    sched = BatchScheduler(tiny, None, "ngram", 5, max_batch=8, max_model_len=256, spec_token_budget=8)
+    sched = BatchScheduler(tiny, None, drafter="ngram", num_speculative_tokens=5, max_batch=8, max_model_len=256,
+                           spec_token_budget=8)
     assert [sched.k_cap(n) for n in (1, 2, 3, 4, 5, 8)] == [7, 3, 1, 1, 0, 0]
     sched.start()
     # n rows draft at most budget // n - 1 tokens each, so a step scores at most the budget.
@@ -73,7 +77,8 @@ def test_speculation_fades_under_load(tiny):
 
 
 def test_cancel_frees_the_row(tiny):
-    sched = BatchScheduler(tiny, None, "ngram", 3, max_batch=2, max_model_len=512).start()
+    sched = BatchScheduler(tiny, None, drafter="ngram", num_speculative_tokens=3, max_batch=2,
+                           max_model_len=512).start()
     long = sched.submit(Request(prompts(1)[0], 400))
     deltas = iter(long)
     next(deltas)
@@ -86,7 +91,8 @@ def test_cancel_frees_the_row(tiny):
 
 
 def test_limits(tiny):
-    sched = BatchScheduler(tiny, None, "none", 1, max_batch=1, max_queue=1, max_model_len=64)
+    sched = BatchScheduler(tiny, None, drafter="none", num_speculative_tokens=1, max_batch=1, max_queue=1,
+                           max_model_len=64)
     with pytest.raises(InvalidRequestError, match="context"):
         sched.submit(Request([1] * 60, 10))
     with pytest.raises(InvalidRequestError):
@@ -94,7 +100,7 @@ def test_limits(tiny):
     with pytest.raises(InvalidRequestError):
         sched.submit(Request([1, 500], 10))
     with pytest.raises(InvalidRequestError):
-        sched.submit(Request([1], 4, drafter="eagle"))
+        sched.submit(Request([1], 4, drafter="/some/draft/model"))
     # Not started: one request fills the free row's place, one the queue, the third is refused.
     sched.submit(Request([1], 4))
     sched.submit(Request([1], 4))

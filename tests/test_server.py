@@ -252,7 +252,9 @@ BAD = [
     (C, {"prompt": "hi", "n": 2}, 400, "n"),
     (C, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     (C, {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    (C, {"prompt": "hi", "speculative": {"drafter": "magic"}}, 400, "speculative"),
+    (C, {"prompt": "hi", "speculative": {"drafter": "magic"}}, 400, "speculative.drafter"),
+    (C, {"prompt": "hi", "speculative": {"drafter": "/models/draft"}}, 400, "speculative.drafter"),  # never a path
+    (C, {"prompt": "hi", "speculative": {"drafter": 3}}, 400, "speculative"),
     (C, {"prompt": "hi", "speculative": {"num_tokens": 99}}, 400, "speculative.num_tokens"),
     (C, {"prompt": [5, 1000]}, 400, "prompt"),
     (C, {"prompt": ["a", "b"]}, 400, "prompt"),

@@ -86,8 +86,11 @@ def test_untrained_draft_is_the_cut_target_and_drafts(tiny_models, tmp_path, fam
     mine, _ = draft(ids, torch.arange(20)[None], draft.new_cache(1, 20))
     assert (mine.log_softmax(-1) - ref).abs().max() < 1e-3
 
-    engine = Engine(target, None, DraftModelDrafter(draft, V), 3)
-    loaded = Engine.load(str(m["folder"]), drafter=str(out), dtype="float32", num_speculative_tokens=3)
+    # A fixed k: the default cost rule prices a draft token by its measured time, and a cut of a
+    # tiny target costs about what the target does, so it would (rightly) stop drafting.
+    engine = Engine(target, None, drafter=DraftModelDrafter(draft, V), num_speculative_tokens=3, draft_length="fixed")
+    loaded = Engine.load(str(m["folder"]), drafter=str(out), dtype="float32", num_speculative_tokens=3,
+                         draft_length="fixed")
     assert isinstance(loaded.drafter, DraftModelDrafter)
     for ids in prompts(2):
         plain = Engine(target, None).generate(prompt_ids=ids, max_new_tokens=24).token_ids
@@ -110,7 +113,9 @@ def distill_kl(draft, target, data: DistillData) -> float:
 
 
 def acceptance(target, draft, vocab) -> float:
-    engine, plain = Engine(target, None, DraftModelDrafter(draft, vocab), 4), Engine(target, None)
+    engine = Engine(target, None, drafter=DraftModelDrafter(draft, vocab), num_speculative_tokens=4,
+                    draft_length="fixed")
+    plain = Engine(target, None)
     drafted = accepted = 0
     for ids in prompts(4, 6, vocab):
         out = engine.generate(prompt_ids=ids, max_new_tokens=40)
@@ -228,6 +233,7 @@ def test_cli_train_draft_model_then_generate(tiny_models, tmp_path, monkeypatch,
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
     assert json.loads((out / "training.json").read_text())["training"]["steps_done"] == 3
     assert main(["generate", "--model", str(folder), "--drafter", str(out), "--prompt", "w5 w9 w11 w40",
-                 "--max-tokens", "12", "-k", "3", "--dtype", "float32", "--compare", "--json"]) == 0
+                 "--max-tokens", "12", "-k", "3", "--draft-length", "fixed", "--dtype", "float32", "--compare",
+                 "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["identical"] and result["speculative"]["stats"]["draft_tokens"] > 0

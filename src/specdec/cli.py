@@ -131,8 +131,9 @@ def _generate(args) -> int:
     if args.max_tokens < 1:  # before the load, like every other option the engine checks
         raise SpecdecError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     print("specdec: loading the model...", file=sys.stderr)
-    engine = Engine.load(args.model, args.drafter, args.num_speculative_tokens, args.device, args.dtype,
-                         args.draft_length, progress=_progress, draft_p_min=args.draft_p_min, quantize=args.quantize,
+    engine = Engine.load(args.model, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
+                         device=args.device, dtype=args.dtype, draft_length=args.draft_length, progress=_progress,
+                         draft_p_min=args.draft_p_min, quantize=args.quantize,
                          draft_tree=args.tree, verify_cost=args.verify_cost, verify_overhead=args.verify_overhead)
     kwargs = dict(prompt=args.prompt, prompt_ids=prompt_ids, max_new_tokens=args.max_tokens, sampling=sampling,
                   stop=args.stop)

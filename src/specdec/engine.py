@@ -1,10 +1,25 @@
-"""The one decoding loop: prefill, then propose -> verify-forward -> verify -> rollback -> emit.
+"""The one decoding core: `Engine.step` over a batch of rows, for one request and for many.
 
-Plain decoding is the same loop with an empty proposal, so the two cannot drift apart; so is tree
-decoding, since a chain draft is a token tree that is a path: every step scores the lead token and
-a `TokenTree` of drafts in one target pass and keeps the accepted root-to-node path. Every
-emitted token goes through `_Output.push`, which applies EOS, stop strings and max tokens one
-token at a time: a stop inside an accepted run ends the output exactly where plain decoding would.
+A `Row` is one request's whole state: its tokens, output filter (`Output`: EOS, stop strings, max
+tokens), sampling parameters and `torch.Generator`, drafter, draft-length rule (`policy`), tree
+shape, statistics, and (by its place in the batch) its row of the KV cache. One step over rows
+r = 0 .. n - 1, which sit in cache rows 0 .. n - 1:
+
+    for each row: draft length (its rule, capped by the batch's load cap) -> its drafter proposes
+                  a chain (a path-shaped `TokenTree`) or a tree
+    ONE target forward over the blocks [lead token] + drafts of every row, padded at the end to
+                  the widest (padding is causally invisible to the real tokens; a tree row sees
+                  only each node's ancestors through its own mask)
+    for each row: verify with its own sampling and RNG (greedy, screened greedy, or the rejection
+                  rule; chains and trees) -> roll its cache row back to the accepted path
+                  (`truncate` / `compact`) -> the drafter hears back (`observe`, `feedback`) ->
+                  the emitted tokens go through its `Output`
+
+Plain decoding is the same step with an empty proposal, so the two cannot drift apart; a chain is a
+token tree that is a path. `Engine.generate` is a batch of one through this step; the server's
+`BatchScheduler` only admits, prefills, evicts and streams, calling the same `prefill` and `step`.
+Every emitted token goes through `Output.push`, one token at a time: a stop inside an accepted run
+ends the output exactly where plain decoding would.
 """
 
 from __future__ import annotations
@@ -15,16 +30,18 @@ from pathlib import Path
 
 import torch
 
-from .drafters import AdaptiveDraftLength, CostAwareDraftLength, NgramDrafter, SuffixDrafter
-from .drafters.base import Drafter, Proposal, TreeDrafter, TreeShape
-from .drafters.combined import LEARNED, LookupFirstDrafter, lookup_first, split_name
+from . import policy
+from .drafters import NgramDrafter, SuffixDrafter
+from .drafters.base import Drafter, Proposal, TreeShape
+from .drafters.combined import LEARNED, lookup_first, split_name
 from .drafters.eagle import eagle_head_path, is_eagle_name, make_eagle_drafter
 from .errors import InvalidRequestError, SpecdecError
 from .models import loader
+from .models.kv_cache import KVCache
 from .models.transformer import Transformer
 from .sampling import SamplingParams, greedy_tokens, make_generator, process_logits, sample
 from .tokenizer import Detokenizer, Tokenizer
-from .verify import TokenTree, TreeVerdict, Verdict, first_proven_rejection, verify_greedy, verify_greedy_rows, \
+from .verify import TokenTree, TreeVerdict, first_proven_rejection, verify_greedy, verify_greedy_rows, \
     verify_sampling, verify_tree_greedy, verify_tree_sampling
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -115,52 +132,13 @@ def make_drafter(name: str, target: Transformer | None = None, target_tokenizer:
         raise ValueError("a draft model is made for a loaded target: pass `target`")
     weight = target.embed_tokens.weight
     p_min = DEFAULT_DRAFT_P_MIN if draft_p_min is None else draft_p_min
-    return DraftModelDrafter.load(path, target.config.vocab_size, weight.dtype, weight.device, p_min,
-                                  target_tokenizer, progress)
+    return DraftModelDrafter.load(path, target.config.vocab_size, weight.dtype, weight.device, draft_p_min=p_min,
+                                  target_tokenizer=target_tokenizer, progress=progress)
 
 
 def _no_trees(name: str) -> InvalidRequestError:
-    return InvalidRequestError(f"drafter {name!r} cannot propose draft trees; eagle, ngram and ngram+eagle can", "draft_tree")
-
-
-DRAFT_LENGTHS = ("fixed", "adaptive", "cost")
-# The cost-aware draft length's step-cost model, 1 + overhead + cost * k for a verify pass over k
-# drafts, in plain steps (see `CostAwareDraftLength`). Measured on the 2-core AVX2 CPU with the
-# default model (a pass over T tokens relative to T = 1): float32 1.73 at T = 2, 2.31 at T = 6, 2.60
-# at T = 9 after a 100-token context (its matrix products leave their one-row fast path); int8, with
-# the compiled CPU kernels, after a 400-token context: 1.02 at T = 2, 1.51 at T = 4, 1.88 at T = 6,
-# 2.16 at T = 9 (BENCHMARKS.md, evening run). A GPU scores a few tokens for about one: the CUDA row is
-# an estimate, not yet measured on a GPU.
-DEFAULT_VERIFY_COSTS = {  # (overhead, cost per draft token)
-    "cpu": (0.5, 0.14),
-    "cpu-int8": (0.0, 0.16),
-    "cuda": (0.0, 0.03),
-}
-# The output head's share of that per-token cost, which greedy screening pays only for rows up to
-# the first rejection (`CostAwareDraftLength.screened_share`). int8, 400-token context: the head
-# grows by ~0.07-0.08 plain steps a row and the rest of the pass by ~0.075-0.095 (BENCHMARKS.md,
-# 3 December, evening and night).
-SCREENED_SHARE = {"cpu-int8": 0.45}
-
-
-def default_draft_length(draft_length: str | None, tree) -> str:
-    """None means the measured best: "cost" for chains (BENCHMARKS.md, Spec-Bench mix on the int8
-    target, 2-core CPU: prompt lookup 1.77x plain with it, 1.60x with a fixed k = 5; a tie in
-    float32); a tree has a fixed shape."""
-    if draft_length is not None:
-        return draft_length
-    return "fixed" if tree is not None else "cost"
-
-
-def check_draft_length(draft_length: str, verify_cost: float | None, verify_overhead: float | None = None) -> None:
-    if draft_length not in DRAFT_LENGTHS:
-        raise InvalidRequestError(f"draft_length must be one of {', '.join(DRAFT_LENGTHS)}; got {draft_length!r}",
-                                  "draft_length")
-    if verify_cost is not None and not (isinstance(verify_cost, (int, float)) and 0 < verify_cost <= 10):
-        raise InvalidRequestError(f"verify_cost must be a number in (0, 10], got {verify_cost!r}", "verify_cost")
-    if verify_overhead is not None and not (isinstance(verify_overhead, (int, float)) and 0 <= verify_overhead <= 10):
-        raise InvalidRequestError(f"verify_overhead must be a number in [0, 10], got {verify_overhead!r}",
-                                  "verify_overhead")
+    return InvalidRequestError(f"drafter {name!r} cannot propose draft trees; eagle, ngram and ngram+eagle can",
+                               "draft_tree")
 
 
 def check_quantize(quantize: str, device: str) -> None:
@@ -179,7 +157,7 @@ def check_speculation(num_speculative_tokens: int, draft_length: str, tree, veri
     the constructor again for engines built around a loaded model."""
     if num_speculative_tokens < 1:
         raise InvalidRequestError("num_speculative_tokens must be >= 1", "num_speculative_tokens")
-    check_draft_length(draft_length, verify_cost, verify_overhead)
+    policy.check_draft_length(draft_length, verify_cost, verify_overhead)
     if tree is not None and draft_length != "fixed":
         raise InvalidRequestError(f"draft_length {draft_length!r} moves a chain's length; a draft tree "
                                   "has a fixed shape", "draft_length")
@@ -211,6 +189,31 @@ class Stats:
         """1 + accepted / drafts, as vLLM reports it (tokens per verify step that drafted)."""
         return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
 
+    def count(self, drafted: int, accepted: int, depth: int | None = None) -> None:
+        """One verify step: `drafted` tokens scored, reaching `depth` positions (a chain's depth is
+        its length, the default; a tree's its deepest level), `accepted` of them on the path."""
+        if not drafted:
+            return
+        depth = drafted if depth is None else depth
+        self.drafts += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        while len(self.drafted_per_position) < depth:
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for i in range(depth):
+            self.drafted_per_position[i] += 1
+            if i < accepted:
+                self.accepted_per_position[i] += 1
+
+    def finish(self, new_tokens: int, wall_s: float) -> None:
+        """The request is over: its token count, its time from admission, and tokens/s of the
+        decoding phase (the first token comes from the prefill)."""
+        self.new_tokens = new_tokens
+        self.wall_s = wall_s
+        decode_s = wall_s - self.prefill_s
+        self.tokens_per_s = (new_tokens - 1) / decode_s if decode_s > 0 and new_tokens > 1 else 0.0
+
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["acceptance_rate"] = self.acceptance_rate
@@ -237,8 +240,9 @@ class Generation:
     steps: list[Step]
 
 
-class _Output:
-    """Collects emitted tokens, applying EOS, stop strings and the token limit one token at a time."""
+class Output:
+    """A request's emitted tokens, applying EOS, stop strings and the token limit one token at a
+    time; the one path every token leaves the core by."""
 
     def __init__(self, tokenizer, eos_ids, stop, max_new_tokens):
         self.detok = Detokenizer(tokenizer)
@@ -248,8 +252,10 @@ class _Output:
         self.ids: list[int] = []
         self.finish_reason: str | None = None
         self.text_end: int | None = None  # cut point of the text when a stop string matched
+        self.sent = 0  # characters already handed out by `take_text`
 
     def push(self, token: int) -> str:
+        """Add one token; returns the text it adds (cut before a stop string it completes)."""
         self.ids.append(token)
         if token in self.eos_ids:
             self.finish_reason = "stop"
@@ -273,23 +279,105 @@ class _Output:
         text = self.detok.text
         return text if self.text_end is None else text[: self.text_end]
 
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new - len(self.ids)
+
+    def take_text(self) -> str:
+        """The new text a stream can be sent now: everything once finished; before that, a tail
+        that might begin a stop string is held back (sent text cannot be taken back, and a stop
+        string may arrive split over several tokens)."""
+        text = self.text
+        hold = 0
+        if not self.finished:
+            for stop in self.stop:
+                for n in range(min(len(stop) - 1, len(text)), hold, -1):
+                    if text.endswith(stop[:n]):
+                        hold = n
+                        break
+        delta = text[self.sent : max(self.sent, len(text) - hold)]
+        self.sent += len(delta)
+        return delta
+
+
+@dataclass
+class Row:
+    """One request inside the core (see the module docstring). Made by `Engine.new_row`; its cache
+    row is its index in the list of rows a step gets."""
+
+    prompt: list[int]
+    out: Output
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    drafter: Drafter | None
+    rule: object  # a `policy` draft-length rule (next_k / update / k_max), or None without a drafter
+    tree: TreeShape | None
+    stats: Stats
+    screen: bool  # greedy chains verified with the screened head (`Engine._verify_screened`)
+    keep_logits: bool  # hand out the raw logits of each emitted token (log-probs)
+    fixed_k: bool  # a seeded sampled row: its k ignores the load cap (its draws depend on k)
+    draft_cost: policy.DraftCost | None  # where its drafter's measured price per token goes
+    steps: list[Step] | None  # per-step record (`Generation.steps`), or None
+    started: float = 0.0
+    begun: bool = False  # prefilled: the drafter has had `begin`
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.out.ids
+
+    @property
+    def finished(self) -> bool:
+        return self.out.finished
+
+
+@dataclass
+class Emitted:
+    """What one prefill or step pushed through one row's `Output`."""
+
+    tokens: list[int]  # pushed tokens (cut at EOS, a stop string or the limit)
+    text: str  # the text they added (cut before a stop string)
+    logits: torch.Tensor | None = None  # [len(tokens), vocab] raw logits that predicted them (keep_logits)
+    drafted: int = 0  # draft tokens the target scored for this row (tree nodes for a tree)
+    accepted: int = 0
+    depth: int = 0  # the draft's deepest position (a chain's length)
+
+
+@dataclass
+class StepReport:
+    """One step over a batch: per row what it emitted, and what the load rules learn from."""
+
+    emitted: list[Emitted]
+    width: int  # T: tokens per row in the forward, padding included
+    drafted: int  # draft tokens scored, over all rows
+    accepted: int
+    forward_s: float  # the target forward and its output head
+
+
+_DEFAULT = object()
+
 
 class Engine:
-    """Speculative decoding of one request at a time.
+    """Speculative decoding over one loaded target: `generate` for one request, `prefill` and
+    `step` for a batch of rows (the server's scheduler).
 
-    The drafter proposes a chain of up to `num_speculative_tokens` tokens per step: `draft_length`
+    A drafter proposes a chain of up to `num_speculative_tokens` tokens per step: `draft_length`
     "cost" (the default for chains) picks, per kind of proposal, the length with the best expected
-    speedup for the acceptance measured so far and the step-cost model (`verify_overhead`,
-    `verify_cost`; defaults in DEFAULT_VERIFY_COSTS; see `CostAwareDraftLength`);
-    "fixed" always asks for k; "adaptive" moves k by the +2/-1 rule. Or, with `draft_tree` (a
-    `TreeShape` or its `DEPTHxTOPKxBUDGET` string), a token tree from its `propose_tree`: several
-    candidates per position, all scored in the same single target pass.
+    speedup for the acceptance measured so far and the price of a step (`policy`: `verify_overhead`,
+    `verify_cost`, and the drafter's measured cost per token); "fixed" always asks for k;
+    "adaptive" moves k by the +2/-1 rule. Or, with `draft_tree` (a `TreeShape` or its
+    `DEPTHxTOPKxBUDGET` string), a token tree from its `propose_tree`: several candidates per
+    position, all scored in the same single target pass.
     """
 
     def __init__(
         self,
         model: Transformer,
         tokenizer: Tokenizer | None,
+        *,
         drafter: Drafter | None = None,
         num_speculative_tokens: int = 5,
         draft_length: str | None = None,
@@ -299,10 +387,10 @@ class Engine:
         screen_verify: bool = True,
     ):
         tree = TreeShape.parse(draft_tree) if isinstance(draft_tree, str) else draft_tree
-        draft_length = default_draft_length(draft_length, tree)
+        draft_length = policy.default_draft_length(draft_length, tree)
         check_speculation(num_speculative_tokens, draft_length, tree, verify_cost, verify_overhead)
-        if tree is not None and not isinstance(drafter, TreeDrafter):
-            raise _no_trees(getattr(drafter, "name", "none") if drafter is not None else "none")
+        if tree is not None and (drafter is None or not drafter.needs.trees):
+            raise _no_trees(drafter.name if drafter is not None else "none")
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -313,11 +401,13 @@ class Engine:
         # Greedy chains on a target whose head can score chosen columns exactly (int8 on the CPU)
         # are verified with the head's full product only up to the first certain rejection.
         self.screen_verify = screen_verify and self._head_columns_exact()
+        self.draft_costs: dict[str, policy.DraftCost] = {}  # drafter name -> its measured price
 
     @classmethod
     def load(
         cls,
         target: str = "default",
+        *,
         drafter: str = "none",
         num_speculative_tokens: int = 5,
         device: str = "cpu",
@@ -343,7 +433,7 @@ class Engine:
         device = resolve_device(device)
         if isinstance(draft_tree, str):
             draft_tree = TreeShape.parse(draft_tree)  # a malformed shape fails before the load
-        draft_length = default_draft_length(draft_length, draft_tree)
+        draft_length = policy.default_draft_length(draft_length, draft_tree)
         check_speculation(num_speculative_tokens, draft_length, draft_tree, verify_cost, verify_overhead)
         torch_dtype = resolve_dtype(dtype, device, quantize)
         check_quantize(quantize, device)
@@ -353,7 +443,7 @@ class Engine:
         made = None if draft_path else make_drafter(drafter, draft_p_min=draft_p_min)
         parts = split_name(drafter)
         tree_names = is_eagle_name(drafter) or (parts is not None and parts[0] == "ngram" and is_eagle_name(parts[1]))
-        if draft_tree is not None and not tree_names and not isinstance(made, TreeDrafter):
+        if draft_tree is not None and not tree_names and (made is None or not made.needs.trees):
             raise _no_trees(drafter)
         # The tokenizer first: reading Gemma's 262k-token vocabulary peaks at ~0.5 GB of parser
         # temporaries, which are handed back before the weights arrive rather than on top of them.
@@ -364,12 +454,15 @@ class Engine:
         model, _ = loader.load(folder, torch_dtype, device, progress, quantize)
         if draft_path:
             made = make_drafter(drafter, model, tokenizer, draft_p_min, progress)
-        return cls(model, tokenizer, made, num_speculative_tokens, draft_length, draft_tree, verify_cost,
-                   verify_overhead, screen_verify)
+        return cls(model, tokenizer, drafter=made, num_speculative_tokens=num_speculative_tokens,
+                   draft_length=draft_length, draft_tree=draft_tree, verify_cost=verify_cost,
+                   verify_overhead=verify_overhead, screen_verify=screen_verify)
 
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
+
+    # -- one request ------------------------------------------------------------------------------
 
     def generate(
         self,
@@ -381,109 +474,309 @@ class Engine:
         speculative: bool = True,
         on_text=None,
     ) -> Generation:
-        """Generate a continuation. `on_text(delta)` receives text as it is produced (streaming)."""
-        sampling = sampling or SamplingParams()
-        ids = self._prompt_ids(prompt, prompt_ids)
-        if max_new_tokens < 1:
+        """Generate a continuation: a batch of one row through `prefill` and `step`.
+        `on_text(delta)` receives text as it is produced (streaming)."""
+        ids = self.encode_prompt(prompt, prompt_ids)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequestError("max_new_tokens must be >= 1", "max_tokens")
-        cfg = self.model.config
-        if len(ids) + max_new_tokens > cfg.max_position:
-            raise InvalidRequestError(
-                f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the model's context of "
-                f"{cfg.max_position} tokens",
-                "max_tokens",
-            )
+        self.check_length(len(ids), max_new_tokens)
         stop = [stop] if isinstance(stop, str) else list(stop or [])
-        drafter = self.drafter if speculative else None
-        generator = make_generator(sampling.seed, self.device)
-        stats = Stats(prompt_tokens=len(ids))
-        out = _Output(self.tokenizer, cfg.eos_token_ids, stop, max_new_tokens)
-        steps: list[Step] = []
         emit = on_text or (lambda delta: None)
-        length = self._draft_length_rule(sampling.greedy)
-
         start = time.perf_counter()
-        # Room for the longest verify block: the lead token + k chain drafts or `budget` tree nodes.
-        room = self.draft_tree.budget if self.draft_tree is not None else self.k
-        cache = self.model.new_cache(1, len(ids) + max_new_tokens + room + 1)
-        tokens = torch.tensor([ids], device=self.device)
-        # Learned drafters (EAGLE-style) read the target's own features: they get the final hidden
-        # state of every token the target's cache now holds, in order (`observe`, optional). Without
-        # one, the prefill's last layer runs for the last token only (`Transformer.forward`).
-        observe = getattr(drafter, "observe", None) if drafter is not None else None
-        logits, hidden = self.model(tokens, torch.arange(len(ids), device=self.device)[None], cache, last_n=1,
-                                    need_hidden=observe is not None)
-        stats.target_forwards += 1
-        first = self._pick(logits[0], sampling, generator)
-        stats.prefill_s = time.perf_counter() - start
-        steps.append(Step([], first, "prefill", 0))
-        emit(out.push(first))
-        if drafter is not None:
-            drafter.begin(list(ids), sampling, generator)
-            if observe is not None:
-                observe(hidden[0])  # [prompt_len, hidden]
+        row = self.new_row(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                           drafter=self.drafter if speculative else None, record_steps=True)
+        row.started = start
+        cache = self.model.new_cache(1, len(ids) + max_new_tokens + self.room(row) + 1)
+        emit(self.prefill(row, cache).text)
+        while not row.finished:
+            emit(self.step([row], cache).emitted[0].text)
+        self.finish(row)
+        return Generation(row.out.ids, row.out.text, row.out.finish_reason, row.stats, row.steps)
 
-        while out.finish_reason is None:
-            context = ids + out.ids
-            # Never draft past the token allowance: those tokens could not be emitted.
-            tree, q, source = self._draft(drafter, context, max_new_tokens - len(out.ids), length)
-            # The last emitted token is not in the cache yet: it leads the verify block (the tree's
-            # root, block position 0; node i is block position i + 1, at its depth's position).
-            base = len(context) - 1
-            block = torch.tensor([[context[-1]] + tree.tokens], device=self.device)
-            positions = base + torch.tensor([[0] + tree.depths()], device=self.device)
-            # A path needs only the causal mask; a tree lets each node see just its ancestors.
-            mask = None if tree.is_chain else tree.mask()[None].to(self.device)
-            screen = self.screen_verify and sampling.greedy and tree.is_chain and len(tree) > 0
-            logits, hidden = self.model(block, positions, cache, mask=mask, last_n=0 if screen else None)
-            stats.target_forwards += 1
-            if screen:
-                verdict = self._verify_screened(hidden[0], tree.tokens, context)
-            else:
-                verdict = self._verify_tree(logits[0], tree, q, sampling, generator)
-            # Roll back: keep the lead token and the accepted path; the verdict's next token leads
-            # the following block. A chain's path is a prefix of the block, so moving the length is
-            # enough; a tree's path is packed into consecutive slots first.
-            keep = [0] + [i + 1 for i in verdict.path]  # block positions, increasing
-            if verdict.path == list(range(verdict.num_accepted)):
-                cache.truncate(base + len(keep))
-            else:
-                cache.compact(keep, base)
-            self._count(stats, len(tree), verdict.num_accepted, max(tree.depths(), default=0))
-            if drafter is not None:
-                if observe is not None:
-                    observe(hidden[0, keep])  # lead token + accepted path, in order
-                drafter.feedback(verdict.num_accepted)
-            if length is not None and len(tree):
-                length.update(len(tree), verdict.num_accepted, source)
-            steps.append(Step(list(verdict.accepted), verdict.next_token, verdict.kind, len(tree)))
-            for token in verdict.tokens:
-                emit(out.push(token))
-                if out.finish_reason is not None:
-                    break
+    # -- rows -------------------------------------------------------------------------------------
 
-        if drafter is not None:
-            drafter.end(list(out.ids))
-        stats.wall_s = time.perf_counter() - start
-        stats.new_tokens = len(out.ids)
-        decode_s = stats.wall_s - stats.prefill_s
-        stats.tokens_per_s = (stats.new_tokens - 1) / decode_s if decode_s > 0 and stats.new_tokens > 1 else 0.0
-        return Generation(out.ids, out.text, out.finish_reason, stats, steps)
-
-    def _prompt_ids(self, prompt, prompt_ids) -> list[int]:
+    def encode_prompt(self, prompt: str | None, prompt_ids: list[int] | None) -> list[int]:
+        """Exactly one of a text prompt (encoded) or token ids (checked)."""
         if (prompt is None) == (prompt_ids is None):
             raise InvalidRequestError("give exactly one of prompt or prompt_ids", "prompt")
         if prompt is not None:
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: pass prompt_ids", "prompt")
-            return self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise InvalidRequestError("the prompt is empty", "prompt")
+            return ids
         ids = list(prompt_ids)
+        self.check_prompt_ids(ids)
+        return ids
+
+    def check_prompt_ids(self, ids: list[int]) -> None:
+        """Token-id validation, the one place it happens: non-empty, integers in the vocabulary."""
         vocab = self.model.config.vocab_size
         if not ids:
-            raise InvalidRequestError("prompt_ids is empty", "prompt")
-        if any(not isinstance(i, int) or i < 0 or i >= vocab for i in ids):
-            raise InvalidRequestError(f"prompt_ids must be integers in [0, {vocab})", "prompt")
-        return ids
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab for i in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+
+    def check_length(self, prompt_tokens: int, max_new_tokens: int, limit: int | None = None) -> None:
+        limit = self.model.config.max_position if limit is None else limit
+        if prompt_tokens + max_new_tokens > limit:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {limit} tokens; the prompt has {prompt_tokens} "
+                f"tokens and {max_new_tokens} were asked for", "max_tokens")
+
+    def new_row(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams | None = None,
+        stop: list[str] | tuple[str, ...] = (),
+        drafter: Drafter | None | object = _DEFAULT,
+        num_speculative_tokens: int | None = None,
+        draft_tree: TreeShape | None | object = _DEFAULT,
+        draft_length: str | None = None,
+        keep_logits: bool = False,
+        record_steps: bool = False,
+    ) -> Row:
+        """A row for one request; drafter, k, tree and draft length default to the engine's.
+
+        The drafter object is the row's own (per-request state): a server passes a `spawn()` of a
+        drafter loaded at start. k = 0 means no drafting.
+        """
+        sampling = sampling or SamplingParams()
+        drafter = self.drafter if drafter is _DEFAULT else drafter
+        tree = self.draft_tree if draft_tree is _DEFAULT else draft_tree
+        k = self.k if num_speculative_tokens is None else num_speculative_tokens
+        if k == 0:
+            drafter = None
+        if drafter is None or not drafter.needs.trees:
+            tree = None
+        fixed_k = not sampling.greedy and sampling.seed is not None
+        screen = self.screen_verify and sampling.greedy and not keep_logits
+        rule, cost = None, None
+        if drafter is not None:
+            if drafter.needs.model:
+                cost = self.draft_costs.setdefault(drafter.name, policy.DraftCost())
+            length = "fixed" if tree is not None else (draft_length or self.draft_length)
+            # A seeded sampled row prices its drafts by the prior only: its k must depend on its
+            # verdicts alone, or the same seed would give different text on another machine.
+            rule_cost = policy.DraftCost() if cost is not None and fixed_k else cost
+            rule = policy.row_rule(length, k, model=self.model, verify_cost=self.verify_cost,
+                                   verify_overhead=self.verify_overhead, screened=screen, draft_cost=rule_cost)
+        return Row(list(prompt_ids), Output(self.tokenizer, self.model.config.eos_token_ids, list(stop),
+                                            max_new_tokens),
+                   sampling, make_generator(sampling.seed, self.device), drafter, rule, tree,
+                   Stats(prompt_tokens=len(prompt_ids)), screen, keep_logits, fixed_k, cost,
+                   [] if record_steps else None)
+
+    @staticmethod
+    def room(row: Row) -> int:
+        """Cache slots a step may write past the row's committed tokens, lead token excluded."""
+        if row.drafter is None:
+            return 0
+        return row.tree.budget if row.tree is not None else row.rule.k_max
+
+    def finish(self, row: Row, now: float | None = None) -> None:
+        """The row leaves: its drafter hears the output, its statistics are closed."""
+        if row.drafter is not None and row.begun:
+            row.drafter.end(list(row.out.ids))
+        row.begun = False
+        now = now or time.perf_counter()
+        row.stats.finish(len(row.out.ids), now - (row.started or now))
+
+    # -- the core: prefill and step -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, row: Row, cache: KVCache) -> Emitted:
+        """Score the row's prompt into `cache` (a one-row cache or view, empty) and emit the
+        first token; the drafter begins."""
+        row.started = row.started or time.perf_counter()
+        ids = row.prompt
+        drafter = row.drafter
+        # Learned drafters (EAGLE-style) read the target's own features: they get the final hidden
+        # state of every token the target's cache now holds, in order (`observe`). Without one, the
+        # prefill's last layer runs for the last token only (`Transformer.forward`).
+        observes = drafter is not None and drafter.needs.observes is not None
+        tokens = torch.tensor([ids], device=self.device)  # [1, P]
+        positions = torch.arange(len(ids), device=self.device)[None]  # [1, P]
+        logits, hidden = self.model(tokens, positions, cache, last_n=1, need_hidden=observes)  # [1, 1, vocab]
+        row.stats.target_forwards += 1
+        first = self._pick(logits[0], row.sampling, row.generator)
+        row.stats.prefill_s = time.perf_counter() - row.started
+        if row.steps is not None:
+            row.steps.append(Step([], first, "prefill", 0))
+        if drafter is not None:
+            drafter.begin(list(ids), row.sampling, row.generator)
+            row.begun = True
+            if observes:
+                drafter.observe(hidden[0])  # [prompt_len, hidden]
+        text = row.out.push(first)
+        return Emitted([first], text, logits[0] if row.keep_logits else None)
+
+    @torch.inference_mode()
+    def step(self, rows: list[Row], cache: KVCache, cap: int | None = None) -> StepReport:
+        """One decoding step for every row (unfinished, prefilled): rows[r] lives in cache row r.
+
+        `cap`: the batch's load cap on each row's draft length (`policy.LoadCap`); rows with a
+        fixed k (seeded sampling) ignore it.
+        """
+        # 1. Propose: each row with its own drafter and draft length; rows whose drafters share a
+        # batch key (a draft model's rows) in one call, one model forward per draft position.
+        plans = [self._plan(row, cap) for row in rows]
+        batched: dict[int, tuple[Proposal, float]] = {}
+        groups: dict[int, list[int]] = {}
+        for r, (row, plan) in enumerate(zip(rows, plans)):
+            if isinstance(plan, int) and plan > 0 and not row.drafter.needs.fallback:
+                key = row.drafter.batch_key()
+                if key is not None:
+                    groups.setdefault(id(key), []).append(r)
+        for members in groups.values():
+            if len(members) > 1:
+                started = time.perf_counter()
+                made = rows[members[0]].drafter.propose_batch([rows[r].drafter for r in members],
+                                                              [rows[r].context for r in members],
+                                                              [plans[r] for r in members])
+                share = (time.perf_counter() - started) / len(members)
+                batched.update((r, (p, share)) for r, p in zip(members, made))
+        drafts = [self._draft(row, plan, batched.get(r)) for r, (row, plan) in enumerate(zip(rows, plans))]
+        # 2. One target forward over the blocks [lead token] + drafts, each at its positions (the
+        # lead token is the last emitted one, not yet in the cache; tree node i is block position
+        # i + 1 at its depth's position), padded at the end to the widest block.
+        base = cache.lengths.tolist()  # [n] each row's committed length = its lead token's position
+        blocks, places = [], []
+        for row, (tree, _, _), b in zip(rows, drafts, base):
+            blocks.append([row.out.ids[-1]] + tree.tokens)
+            places.append([b] + [b + d for d in tree.depths()])
+        width = max(len(block) for block in blocks)
+        tokens = torch.tensor([blk + [blk[-1]] * (width - len(blk)) for blk in blocks], device=self.device)  # [n, T]
+        positions = torch.tensor([p + list(range(p[-1] + 1, p[-1] + 1 + width - len(p))) for p in places],
+                                 device=self.device)  # [n, T]
+        mask = None  # chains need only the causal mask; a tree row lets each node see its ancestors
+        if not all(tree.is_chain for tree, _, _ in drafts):
+            mask = torch.ones(width, width, dtype=torch.bool).tril().repeat(len(rows), 1, 1)  # [n, T, T]
+            for r, (tree, _, _) in enumerate(drafts):
+                if not tree.is_chain:
+                    mask[r, : len(tree) + 1, : len(tree) + 1] = tree.mask()
+            mask = mask.to(self.device)
+        started = time.perf_counter()
+        # The output head (a large share of a step with a big vocabulary) runs on the real rows of
+        # blocks only, not on padding, and not at all on the rows a screened verify never needs.
+        _, hidden = self.model(tokens, positions, cache, mask=mask, last_n=0)  # hidden: [n, T, h]
+        screened = [row.screen and tree.is_chain and len(tree) > 0 for row, (tree, _, _) in zip(rows, drafts)]
+        full = [r for r in range(len(rows)) if not screened[r]]
+        logits_of = {}
+        if len(full) == 1:
+            r = full[0]
+            logits_of[r] = self.model.head(hidden[r, : len(blocks[r])])  # [len(block), vocab]
+        elif full:
+            joined = self.model.head(torch.cat([hidden[r, : len(blocks[r])] for r in full]))  # [sum, vocab]
+            offset = 0
+            for r in full:
+                logits_of[r] = joined[offset : offset + len(blocks[r])]
+                offset += len(blocks[r])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        forward_s = time.perf_counter() - started
+        # 3. Per row: verify, roll back, hear back, emit.
+        emitted, drafted, accepted = [], 0, 0
+        for r, (row, (tree, q, source)) in enumerate(zip(rows, drafts)):
+            row.stats.target_forwards += 1
+            if screened[r]:
+                verdict = self._verify_screened(hidden[r, : len(blocks[r])], tree.tokens, row.context)
+            else:
+                verdict = self._verify_tree(logits_of[r], tree, q, row.sampling, row.generator)
+            # Roll back: keep the lead token and the accepted path; the verdict's next token leads
+            # the following block. A chain's path is a prefix of the block, so moving the length is
+            # enough; a tree's path is packed into consecutive slots first.
+            keep = [0] + [i + 1 for i in verdict.path]  # block positions, increasing
+            if verdict.path == list(range(verdict.num_accepted)):
+                cache.truncate(base[r] + len(keep), row=r)
+            else:
+                cache.compact(keep, base[r], row=r)
+            depth = max(tree.depths(), default=0)
+            row.stats.count(len(tree), verdict.num_accepted, depth)
+            drafted += len(tree)
+            accepted += verdict.num_accepted
+            if row.drafter is not None:
+                if row.drafter.needs.observes is not None:
+                    row.drafter.observe(hidden[r, keep])  # lead token + accepted path, in order
+                row.drafter.feedback(verdict.num_accepted)
+                if len(tree):
+                    row.rule.update(len(tree), verdict.num_accepted, source)
+                    # A drafter's price is relative to a plain step: learnt where the pass's modelled
+                    # cost in plain steps is known (a batch of one under the cost rule).
+                    if row.draft_cost is not None and len(rows) == 1 and isinstance(row.rule,
+                                                                                   policy.CostAwareDraftLength):
+                        row.draft_cost.observe_step(forward_s, row.rule.step_cost(len(tree), source))
+            if row.steps is not None:
+                row.steps.append(Step(list(verdict.accepted), verdict.next_token, verdict.kind, len(tree)))
+            kept, text = [], ""
+            for token in verdict.tokens:
+                text += row.out.push(token)
+                kept.append(token)
+                if row.out.finished:
+                    break
+            row_logits = logits_of[r][keep][: len(kept)] if row.keep_logits else None
+            emitted.append(Emitted(kept, text, row_logits, len(tree), verdict.num_accepted, depth))
+        return StepReport(emitted, width, drafted, accepted, forward_s)
+
+    def _plan(self, row: Row, cap: int | None) -> int | TokenTree:
+        """How many tokens the row asks its drafter for this step (0: none), or, for a tree row,
+        its proposed tree (tree drafting is not batched)."""
+        drafter = row.drafter
+        # Never draft past the token allowance: those tokens could not be emitted.
+        limit = row.out.remaining if (cap is None or row.fixed_k) else min(row.out.remaining, cap)
+        if drafter is None or limit <= 0:
+            return 0
+        if row.tree is not None:
+            shape = row.tree
+            budget = min(shape.budget, limit) if cap is not None and not row.fixed_k else shape.budget
+            tree = drafter.propose_tree(row.context, min(shape.depth, limit), shape.top_k, budget)
+            if len(tree) > budget:
+                raise ValueError(f"{drafter.name} proposed {len(tree)} tree nodes, over the budget of {budget}")
+            return tree
+        if drafter.needs.labels_proposals:
+            # A lookup's kind is known once it is found, and looking up is free: ask for the most
+            # the rule may keep, then keep what it wants for that kind (`_draft`).
+            return min(row.rule.k_max, limit)
+        # The kind of guess is known before asking (one kind): nothing to propose when the rule
+        # wants no draft (a model drafter's forward would be spent for nothing).
+        return min(row.rule.next_k(), limit)
+
+    def _draft(self, row: Row, plan: int | TokenTree, made: tuple[Proposal, float] | None
+               ) -> tuple[TokenTree, torch.Tensor | None, object]:
+        """This step's drafts as a tree (a chain is a path), their q ([nodes, vocab] or None) and
+        the proposal's `source` (what kind of guess it is, for the draft-length rule). `made`: the
+        row's proposal from a batched call, with its share of that call's time.
+
+        Tree candidates are deterministic given the context (`propose_tree`), so a tree carries no
+        q: verification treats each node as one-hot, which is exact.
+        """
+        if isinstance(plan, TokenTree):
+            return plan, None, None
+        k = plan
+        if k == 0:
+            return TokenTree([], []), None, None
+        drafter, rule = row.drafter, row.rule
+        if made is not None:
+            proposal, seconds = made
+        else:
+            started = time.perf_counter()
+            if drafter.needs.fallback:
+                # Where lookup finds nothing, the learned drafter drafts what the rule wants for
+                # its kind (a fixed length: k).
+                proposal = drafter.propose(row.context, k, fallback_k=max(1, rule.next_k(LEARNED)))
+            else:
+                proposal = drafter.propose(row.context, k)
+            seconds = time.perf_counter() - started
+        if row.draft_cost is not None and not row.fixed_k:
+            row.draft_cost.observe_draft(proposal.source, len(proposal.tokens), seconds)
+        k = min(k, rule.next_k(proposal.source))
+        q = None if proposal.q is None else proposal.q[:k]
+        return TokenTree.chain(proposal.tokens[:k]), q, proposal.source
+
+    # -- verification ---------------------------------------------------------------------------
 
     @staticmethod
     def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
@@ -491,69 +784,6 @@ class Engine:
         if sampling.greedy:
             return greedy_tokens(logits[-1:])[0]
         return int(sample(process_logits(logits[-1], sampling), generator))
-
-    @staticmethod
-    def _verify(logits, proposal: Proposal, draft, sampling, generator) -> Verdict:
-        # logits: [len(draft) + 1, vocab]
-        if sampling.greedy:
-            return verify_greedy(logits, draft)
-        q = None if proposal.q is None else proposal.q[: len(draft)]
-        return verify_sampling(process_logits(logits, sampling), q, draft, generator)
-
-    def _draft_length_rule(self, greedy: bool) -> AdaptiveDraftLength | CostAwareDraftLength | None:
-        """This request's draft-length rule (fresh per request, so a seeded request reproduces)."""
-        if self.draft_length == "adaptive":
-            return AdaptiveDraftLength(self.k, max(self.k, 16))
-        if self.draft_length == "cost":
-            overhead, cost = DEFAULT_VERIFY_COSTS[self._hardware_kind()]
-            cost = cost if self.verify_cost is None else self.verify_cost
-            overhead = overhead if self.verify_overhead is None else self.verify_overhead
-            share = SCREENED_SHARE.get(self._hardware_kind(), 0.0) if self.screen_verify and greedy else 0.0
-            return CostAwareDraftLength(self.k, cost, overhead, share)
-        return None
-
-    def _hardware_kind(self) -> str:
-        """The DEFAULT_VERIFY_COSTS row for this target: cuda, cpu-int8 or cpu."""
-        from .models.quant import Int8Linear
-
-        if self.device.type == "cuda":
-            return "cuda"
-        return "cpu-int8" if isinstance(self.model.lm_head, Int8Linear) else "cpu"
-
-    def _draft(self, drafter, context: list[int], allowance: int, length):
-        """This step's drafts as a tree (a chain is a path), their q ([nodes, vocab] or None) and
-        the proposal's `source` (what kind of guess it is, for the draft-length rule).
-
-        Tree candidates are deterministic given the context (`TreeDrafter.propose_tree`), so a
-        tree carries no q: verification treats each node as one-hot, which is exact.
-        """
-        if drafter is None:
-            return TokenTree([], []), None, None
-        if self.draft_tree is not None:
-            shape = self.draft_tree
-            tree = drafter.propose_tree(context, min(shape.depth, allowance), shape.top_k, shape.budget)
-            if len(tree) > shape.budget:
-                raise ValueError(f"{drafter.name} proposed {len(tree)} tree nodes, over the budget of {shape.budget}")
-            return tree, None, None
-        if length is None:
-            k = self.k
-        elif getattr(drafter, "labels_proposals", False):
-            # A lookup's kind is known once it is found, and looking up is free: ask for the most
-            # the rule may keep, then keep what it wants for that kind.
-            k = length.k_max
-        else:
-            k = max(1, length.next_k())  # a model drafter drafts at least one token
-        k = min(k, allowance)
-        if isinstance(drafter, LookupFirstDrafter):
-            # Where lookup finds nothing, the learned drafter drafts what the rule wants for its
-            # kind (a fixed length: k).
-            proposal = drafter.propose(context, k, fallback_k=k if length is None else max(1, length.next_k(LEARNED)))
-        else:
-            proposal = drafter.propose(context, k)
-        if length is not None:
-            k = min(k, length.next_k(proposal.source))
-        q = None if proposal.q is None else proposal.q[:k]
-        return TokenTree.chain(proposal.tokens[:k]), q, proposal.source
 
     def _head_columns_exact(self) -> bool:
         """Whether the target's head scores chosen columns bit-identically (`head_columns`)."""
@@ -585,29 +815,14 @@ class Engine:
             # A path: the chain rules decide exactly as the tree rules would (greedy: the same
             # verdict; sampling: the same distribution), vectorised, and with the random draws
             # chain decoding has always made, so a seed keeps its output.
-            v = Engine._verify(logits, Proposal(tree.tokens, q), tree.tokens, sampling, generator)
+            if sampling.greedy:
+                v = verify_greedy(logits, tree.tokens)
+            else:
+                v = verify_sampling(process_logits(logits, sampling), q, tree.tokens, generator)
             return TreeVerdict(v.accepted, v.next_token, v.kind, path=list(range(v.num_accepted)))
         if sampling.greedy:
             return verify_tree_greedy(logits, tree)
         return verify_tree_sampling(process_logits(logits, sampling), q, tree, generator)
 
-    @staticmethod
-    def _count(stats: Stats, drafted: int, accepted: int, depth: int | None = None) -> None:
-        """One verify step: `drafted` tokens scored, reaching `depth` positions (a chain's depth is
-        its length, the default; a tree's its deepest level), `accepted` of them on the path."""
-        if not drafted:
-            return
-        depth = drafted if depth is None else depth
-        stats.drafts += 1
-        stats.draft_tokens += drafted
-        stats.accepted_tokens += accepted
-        while len(stats.drafted_per_position) < depth:
-            stats.drafted_per_position.append(0)
-            stats.accepted_per_position.append(0)
-        for i in range(depth):
-            stats.drafted_per_position[i] += 1
-            if i < accepted:
-                stats.accepted_per_position[i] += 1
 
-
-__all__ = ["Engine", "Generation", "Stats", "SpecdecError"]
+__all__ = ["Engine", "Generation", "Output", "Row", "Stats", "SpecdecError"]

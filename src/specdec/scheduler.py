@@ -1,24 +1,35 @@
 """Continuous batching with speculative decoding: many requests share each target forward.
 
+The scheduler admits, prefills, evicts, cancels and streams; the decoding itself is the engine's
+one core (`Engine.prefill`, `Engine.step`), the same that `Engine.generate` runs for one request.
 The loop (one background thread, `BatchScheduler._run`) repeats:
 
 1. take cancellations and admit waiting requests into free batch rows (up to `max_batch`);
-2. prefill each newly admitted request on its own row (one forward per new prompt) and emit its
-   first token;
-3. one *decode step* for every running sequence together: each row asks its own drafter for up to
-   k_r draft tokens, and the block `[last token] + draft_r` of every row goes through ONE target
-   forward of shape `[rows, T]` with `T = max_r (1 + len(draft_r))`;
-4. each row verifies its own drafts against its own logits with its own `torch.Generator`, keeps
-   the accepted prefix in its cache row (`truncate(row=r)`) and pushes the emitted tokens through
-   its own `_Output` (EOS, stop strings, max tokens); finished rows leave the batch.
+2. prefill each newly admitted request on its own row (`Engine.prefill`: one forward per new
+   prompt) and stream its first token;
+3. one `Engine.step` for every running row together: each row drafts with its own drafter (a
+   `spawn()` of one loaded at start) and k, the blocks `[last token] + draft_r` of every row go
+   through ONE target forward of shape `[rows, T]` with `T = max_r (1 + len(draft_r))`, each row
+   verifies with its own sampling and `torch.Generator`, rolls its cache row back and pushes its
+   tokens through its own `Output` (EOS, stop strings, max tokens); finished rows leave the batch.
 
 Why padding is safe. Rows draft different numbers of tokens, so shorter blocks are padded at the
 end to T. `Transformer.forward` writes row r's T tokens at slots `[len_r, len_r + T)` at positions
-`len_r + j`; under the causal mask a real token j only sees slots before it, never the padding
-after it, so its logits are exactly those of the unpadded block. The rollback
-`truncate(len_r + 1 + accepted_r, row=r)` then drops the padding with the rejected drafts.
+`len_r + j`; under the causal mask (or a tree row's own mask) a real token j only sees slots before
+it, never the padding after it, so its logits are exactly those of the unpadded block. The
+rollback `truncate(len_r + 1 + accepted_r, row=r)` (`compact` for a tree's path) then drops the
+padding with the rejected drafts.
 
-Cache layout. One KV cache of `max_batch` rows x `max_model_len + k_max + 1` slots is allocated
+Drafters. The server loads every drafter a request may name at start (`serving_drafters`: none,
+ngram, suffix, and a draft model or an EAGLE head with its lookup-first combinations); a request
+picks one by name, never by a path. A draft model gets one KV cache of `max_batch` rows
+(`reserve`): each request's drafter holds a row of it while it runs, and the rows of a step draft
+together, one draft-model forward per draft position (`propose_batch`). Its rows are taken and
+handed back per request rather than moved with the target's rows, so a departure moves nothing
+there; their rollback is the draft model's prefix rule (see `drafters/draft_model.py`). EAGLE
+heads and lookup-first combinations propose row by row.
+
+Cache layout. One KV cache of `max_batch` rows x `max_model_len + room + 1` slots is allocated
 once. Running sequences always occupy the contiguous rows `[0, n)`, and a forward runs on the view
 `cache.rows(n)`, so a half-empty batch costs nothing for its empty rows. When a sequence leaves row
 i, the sequence in the last row n - 1 is moved into row i (`cache.move_row`, a copy of its filled
@@ -69,14 +80,44 @@ from typing import Callable
 
 import torch
 
-from .drafters.base import Drafter, Proposal
-from .engine import Engine, Stats, _Output, make_drafter
+from .drafters import NgramDrafter, SuffixDrafter
+from .drafters.base import Drafter, TreeShape
+from .drafters.combined import lookup_first
+from .engine import Emitted, Engine, Row, Stats
 from .errors import InvalidRequestError, SpecdecError
 from .models.transformer import Transformer
-from .sampling import SamplingParams, make_generator
+from .policy import GoodputModel, LoadCap
+from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
 LOOKUP_DRAFTERS = ("none", "ngram", "suffix")
+
+
+def serving_drafters(name: str = "none", target: Transformer | None = None, tokenizer: Tokenizer | None = None,
+                     *, draft_p_min: float | None = None, progress=None) -> tuple[dict[str, Drafter | None], str]:
+    """The drafters a server loads at start, by the names requests may choose them with, and the
+    name of the default one (`name`, as `--drafter` gives it).
+
+    Always: none, ngram, suffix (free). With a learned drafter (`eagle`, `eagle:DIR`, a draft
+    model's path, or a lookup+learned combination of them), loaded once: its own name (`eagle`,
+    `draft_model`) and its combinations `ngram+NAME` and `suffix+NAME`. Requests name drafters only
+    by these names, never by a path: every row gets a `spawn()` of one of them (own state, shared
+    weights).
+    """
+    from .drafters.combined import split_name
+    from .engine import make_drafter
+
+    drafters: dict[str, Drafter | None] = {"none": None, "ngram": NgramDrafter(), "suffix": SuffixDrafter()}
+    if name in drafters:
+        return drafters, name
+    parts = split_name(name)
+    learned = make_drafter(parts[1] if parts else name, target, tokenizer, draft_p_min, progress)
+    if learned is None:  # `ngram+none` and the like
+        raise InvalidRequestError(f"unknown drafter {name!r}", "drafter")
+    drafters[learned.name] = learned
+    for lookup in ("ngram", "suffix"):
+        drafters[f"{lookup}+{learned.name}"] = lookup_first(drafters[lookup].spawn(), learned)
+    return drafters, (f"{parts[0]}+{learned.name}" if parts else learned.name)
 
 
 class QueueFullError(SpecdecError):
@@ -101,7 +142,7 @@ class Request:
     max_new_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
-    drafter: str | None = None  # none | ngram | suffix; None = the scheduler's default
+    drafter: str | None = None  # a drafter the scheduler loaded at start, by name; None = its default
     num_speculative_tokens: int | None = None  # None = the scheduler's default k
     logprobs: int | None = None  # None = off; n >= 0: each token's log-prob and n top alternatives
 
@@ -223,26 +264,18 @@ class RequestHandle:
 
 @dataclass
 class _Sequence:
-    """Per-request state inside the loop (scheduler thread only)."""
+    """A request inside the scheduler (scheduler thread only): its caller's handle, its timing,
+    and its `Row` of the decoding core."""
 
     handle: RequestHandle
     arrival: float
-    generator: torch.Generator
-    drafter: Drafter | None
-    k: int
-    out: _Output
-    stats: Stats
+    row: Row
     admitted: float = 0.0
     first_token: float | None = None
-    sent: int = 0  # characters of the output text already delivered
 
     @property
     def request(self) -> Request:
         return self.handle.request
-
-    @property
-    def context(self) -> list[int]:
-        return self.request.prompt_ids + self.out.ids
 
 
 @dataclass
@@ -258,83 +291,23 @@ class SchedulerCounters:
     finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> requests
 
 
-@dataclass
-class GoodputModel:
-    """Online model of step cost and draft acceptance, to choose k (see the module docstring).
-
-    Step time t = a + b * x, x = tokens the forward scored, fitted by exponentially weighted least
-    squares (weight `decay` per step, so the fit follows a machine whose load changes).
-    """
-
-    decay: float = 0.97
-    prior_alpha: float = 0.5  # acceptance assumed before evidence, worth `prior_tokens` drafts
-    prior_tokens: float = 4.0
-    min_width_var: float = 0.25  # tokens^2: below this the recent steps say nothing about the slope
-    sw: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
-    drafted: float = 0.0
-    accepted: float = 0.0
-
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        d = self.decay
-        self.sw, self.sx, self.sy = d * self.sw + 1, d * self.sx + tokens, d * self.sy + seconds
-        self.sxx, self.sxy = d * self.sxx + tokens * tokens, d * self.sxy + tokens * seconds
-
-    def observe_drafts(self, drafted: int, accepted: int) -> None:
-        """One step's drafted and accepted tokens over all rows (0, 0 for a step without drafts).
-
-        Called every step, so old evidence fades even while nothing is drafted: the estimate then
-        drifts back to the prior, drafting resumes for a while, and a poor early sample cannot
-        switch speculation off for good (explore, then exploit).
-        """
-        self.drafted = self.decay * self.drafted + drafted
-        self.accepted = self.decay * self.accepted + accepted
-
-    def line(self) -> tuple[float, float] | None:
-        """(a, b) of t = a + b x, or None while recent steps had (nearly) one width only.
-
-        The slope comes only from steps of different widths; once those have faded from the
-        weights (the variance of recent widths < `min_width_var`), the slope is stale, and None
-        sends the scheduler back to the ceiling for a while, which measures wider steps anew.
-        """
-        if self.sw < 2:
-            return None
-        var = (self.sxx * self.sw - self.sx * self.sx) / (self.sw * self.sw)  # weighted variance of x
-        if var < self.min_width_var:
-            return None
-        b = max(0.0, (self.sxy * self.sw - self.sx * self.sy) / (var * self.sw * self.sw))
-        a = max(1e-6, (self.sy - b * self.sx) / self.sw)
-        return a, b
-
-    @property
-    def alpha(self) -> float:
-        return (self.accepted + self.prior_alpha * self.prior_tokens) / (self.drafted + self.prior_tokens)
-
-    def best_k(self, rows: int, ceiling: int) -> int:
-        """The k in [0, ceiling] with the most expected tokens per second for `rows` sequences."""
-        line, alpha = self.line(), self.alpha
-        if line is None or ceiling == 0:
-            return ceiling
-        a, b = line
-        alpha = min(alpha, 0.999)
-
-        def goodput(k: int) -> float:
-            return rows * (1 - alpha ** (k + 1)) / (1 - alpha) / (a + b * rows * (k + 1))
-
-        return max(range(ceiling + 1), key=goodput)
-
-
 class BatchScheduler:
-    """Continuous batching over one loaded target model (see the module docstring)."""
+    """Continuous batching over one loaded target model (see the module docstring).
+
+    `drafters`: the drafters loaded at start, by the names requests choose them with
+    (`serving_drafters`; default: none, ngram, suffix); `drafter`: the default one's name;
+    `draft_trees`: a tree shape per drafter name, for drafters that draft trees (the rows of that
+    drafter then draft trees; the rest chains).
+    """
 
     def __init__(
         self,
         model: Transformer,
         tokenizer: Tokenizer | None,
+        *,
         drafter: str = "none",
+        drafters: dict[str, Drafter | None] | None = None,
+        draft_trees: dict[str, TreeShape] | None = None,
         num_speculative_tokens: int = 5,
         max_batch: int = 16,
         max_queue: int = 64,
@@ -344,10 +317,15 @@ class BatchScheduler:
         adaptive: bool = True,
         on_finish: Callable[[Request, Delta], None] | None = None,
     ):
-        if drafter not in LOOKUP_DRAFTERS:
+        drafters = dict(drafters) if drafters is not None else serving_drafters()[0]
+        if drafter not in drafters:
             raise InvalidRequestError(
-                f"the server drafts with a lookup drafter: choose one of {', '.join(LOOKUP_DRAFTERS)} "
-                f"(got {drafter!r})", "drafter")
+                f"the default drafter must be one of those loaded at start: {', '.join(drafters)} (got {drafter!r})",
+                "drafter")
+        draft_trees = dict(draft_trees or {})
+        for name, shape in draft_trees.items():
+            if drafters.get(name) is None or not drafters[name].needs.trees:
+                raise InvalidRequestError(f"drafter {name!r} cannot propose draft trees", "draft_tree")
         for name, value, low in (("num_speculative_tokens", num_speculative_tokens, 1), ("max_batch", max_batch, 1),
                                  ("max_queue", max_queue, 0), ("spec_token_budget", spec_token_budget, 1),
                                  ("max_speculative_tokens", max_speculative_tokens, num_speculative_tokens)):
@@ -356,6 +334,10 @@ class BatchScheduler:
         cfg = model.config
         self.model = model
         self.tokenizer = tokenizer
+        # The decoding core; rows of the server draft a fixed k (capped by the load rules below).
+        self.engine = Engine(model, tokenizer, num_speculative_tokens=num_speculative_tokens, draft_length="fixed")
+        self.drafters = drafters
+        self.draft_trees = draft_trees
         self.drafter = drafter
         self.k = num_speculative_tokens
         self.k_max = max_speculative_tokens  # the largest per-request num_tokens accepted
@@ -364,11 +346,15 @@ class BatchScheduler:
         self.max_model_len = min(max_model_len or cfg.max_position, cfg.max_position)
         self.spec_token_budget = spec_token_budget
         self.goodput = GoodputModel() if adaptive else None
+        self.load_cap = LoadCap(spec_token_budget, max_speculative_tokens, self.goodput)
         self.on_finish = on_finish
         self.counters = SchedulerCounters()
         # Room for the longest request plus the widest verify block written past its end.
-        self.cache = model.new_cache(max_batch, self.max_model_len + self.k_max + 1)
-        self._device = model.embed_tokens.weight.device
+        room = max([self.k_max] + [shape.budget for shape in draft_trees.values()])
+        self.cache = model.new_cache(max_batch, self.max_model_len + room + 1)
+        for loaded in drafters.values():  # model drafters: one cache for all rows, drafting batched
+            if loaded is not None:
+                loaded.reserve(max_batch, self.max_model_len + room + 1)
         self._lock = threading.Condition()
         self._waiting: deque[_Sequence] = deque()  # guarded by _lock
         self._cancelled: set[int] = set()  # guarded by _lock
@@ -381,12 +367,11 @@ class BatchScheduler:
 
     def k_ceiling(self, running: int) -> int:
         """The budget rule: the most tokens each of `running` sequences may draft per step."""
-        return max(0, self.spec_token_budget // max(1, running) - 1)
+        return self.load_cap.ceiling(running)
 
     def k_cap(self, running: int) -> int:
         """How many tokens each of `running` sequences may draft this step (both rules)."""
-        ceiling = min(self.k_ceiling(running), self.k_max)
-        return ceiling if self.goodput is None else self.goodput.best_k(max(1, running), ceiling)
+        return self.load_cap.cap(running)
 
     @property
     def num_running(self) -> int:
@@ -398,21 +383,15 @@ class BatchScheduler:
 
     def validate(self, request: Request) -> None:
         """Raise InvalidRequestError for a request this scheduler cannot run."""
-        vocab = self.model.config.vocab_size
-        ids = request.prompt_ids
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab for i in ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-        if not isinstance(request.max_new_tokens, int) or request.max_new_tokens < 1:
+        self.engine.check_prompt_ids(request.prompt_ids)
+        if isinstance(request.max_new_tokens, bool) or not isinstance(request.max_new_tokens, int) \
+                or request.max_new_tokens < 1:
             raise InvalidRequestError("max_tokens must be an integer >= 1", "max_tokens")
-        if len(ids) + request.max_new_tokens > self.max_model_len:
+        self.engine.check_length(len(request.prompt_ids), request.max_new_tokens, self.max_model_len)
+        if request.drafter is not None and request.drafter not in self.drafters:
             raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(ids)} tokens and {request.max_new_tokens} were asked for", "max_tokens")
-        if request.drafter is not None and request.drafter not in LOOKUP_DRAFTERS:
-            raise InvalidRequestError(f"speculative.drafter must be one of {', '.join(LOOKUP_DRAFTERS)}",
-                                      "speculative.drafter")
+                f"speculative.drafter must name a drafter this server loaded at start: {', '.join(self.drafters)} "
+                f"(got {request.drafter!r}; a request never names a file)", "speculative.drafter")
         k = request.num_speculative_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.k_max):
             raise InvalidRequestError(f"speculative.num_tokens must be an integer in [0, {self.k_max}]",
@@ -427,13 +406,15 @@ class BatchScheduler:
         """
         self.validate(request)
         handle = RequestHandle(next(self._ids), request, self, loop)
-        drafter_name = self.drafter if request.drafter is None else request.drafter
+        name = self.drafter if request.drafter is None else request.drafter
         k = self.k if request.num_speculative_tokens is None else request.num_speculative_tokens
-        drafter = make_drafter(drafter_name) if k > 0 else None
-        seq = _Sequence(handle, time.perf_counter(), make_generator(request.sampling.seed, self._device), drafter, k,
-                        _Output(self.tokenizer, self.model.config.eos_token_ids, list(request.stop),
-                                request.max_new_tokens),
-                        Stats(prompt_tokens=len(request.prompt_ids)))
+        loaded = self.drafters[name]
+        drafter = loaded.spawn() if loaded is not None and k > 0 else None
+        row = self.engine.new_row(request.prompt_ids, max_new_tokens=request.max_new_tokens,
+                                  sampling=request.sampling, stop=list(request.stop), drafter=drafter,
+                                  num_speculative_tokens=k, draft_tree=self.draft_trees.get(name),
+                                  keep_logits=request.logprobs is not None)
+        seq = _Sequence(handle, time.perf_counter(), row)
         with self._lock:
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down")
@@ -500,130 +481,54 @@ class BatchScheduler:
                     self._leave(seq, "error", message)
 
     def _prefill(self, seq: _Sequence) -> None:
-        row = len(self._running)
+        """Admit `seq` into the next free row: the core scores its prompt there (one forward per
+        new prompt) and emits its first token."""
+        r = len(self._running)
         self._running.append(seq)
-        seq.admitted = time.perf_counter()
-        self.cache.truncate(0, row=row)
-        ids = seq.request.prompt_ids
-        view = self.cache.rows(row + 1, row)
-        tokens = torch.tensor([ids], device=self._device)  # [1, P]
-        positions = torch.arange(len(ids), device=self._device)[None]  # [1, P]
-        logits, _ = self.model(tokens, positions, view, last_n=1, need_hidden=False)  # [1, 1, vocab]
-        seq.stats.target_forwards += 1
-        self.counters.prompt_tokens += len(ids)
-        first = Engine._pick(logits[0], seq.request.sampling, seq.generator)
-        seq.stats.prefill_s = time.perf_counter() - seq.admitted
-        if seq.drafter is not None:
-            seq.drafter.begin(list(ids), seq.request.sampling, seq.generator)
-        if self._emit(seq, [first], logits[0]):  # one token asked for, or EOS at once
-            self._leave(seq, seq.out.finish_reason)
+        seq.admitted = seq.row.started = time.perf_counter()
+        self.cache.truncate(0, row=r)
+        emitted = self.engine.prefill(seq.row, self.cache.rows(r + 1, r))
+        self.counters.prompt_tokens += len(seq.request.prompt_ids)
+        if self._emit(seq, emitted):  # one token asked for, or EOS at once
+            self._leave(seq, seq.row.out.finish_reason)
 
     def _decode_step(self) -> None:
-        rows = self._running
-        n = len(rows)
-        cap = self.k_cap(n)
-        proposals: list[Proposal] = []
-        for seq in rows:
-            sampling = seq.request.sampling
-            fixed = not sampling.greedy and sampling.seed is not None  # reproducible: k ignores load
-            # Never draft past the request's token allowance: those tokens could not be emitted.
-            k = min(seq.k if fixed else min(seq.k, cap), seq.request.max_new_tokens - len(seq.out.ids))
-            proposed = seq.drafter is not None and k > 0
-            proposal = seq.drafter.propose(seq.context, k) if proposed else Proposal([])
-            proposals.append(Proposal(proposal.tokens[:k], None if proposal.q is None else proposal.q[:k])
-                             if proposed else None)
-        blocks = [[seq.out.ids[-1]] + (p.tokens if p else []) for seq, p in zip(rows, proposals)]
-        width = max(len(b) for b in blocks)
-        # Pad every block at its end (after its real tokens, so causally invisible to them).
-        tokens = torch.tensor([b + [b[-1]] * (width - len(b)) for b in blocks], device=self._device)  # [n, T]
-        view = self.cache.rows(n)
-        base = view.lengths.clone()  # [n] each row's filled length = position of its lead token
-        positions = base[:, None] + torch.arange(width, device=self._device)  # [n, T]
-        # The output head (a large share of a step's work with a big vocabulary) runs only on the
-        # real positions, not on the padding: hidden states of the real tokens, row after row.
-        started = time.perf_counter()
-        _, hidden = self.model(tokens, positions, view, last_n=0)  # hidden: [n, T, hidden]
-        lengths = torch.tensor([len(b) for b in blocks], device=self._device)  # [n]
-        real = torch.arange(width, device=self._device)[None] < lengths[:, None]  # [n, T] bool
-        logits = self.model.head(hidden[real])  # [sum of block lengths, vocab]
+        """One step of the core over every running row (cache rows [0, n))."""
+        n = len(self._running)
+        report = self.engine.step([seq.row for seq in self._running], self.cache.rows(n), self.k_cap(n))
         if self.goodput is not None:
-            logits[-1, -1].item()  # wait for the forward (asynchronous on a GPU) before timing it
-            self.goodput.observe_step(n * width, time.perf_counter() - started)
+            self.goodput.observe_step(n * report.width, report.forward_s)
+            self.goodput.observe_drafts(report.drafted, report.accepted)
         self.counters.steps += 1
         self.counters.step_rows += n
-        self.counters.step_tokens += n * width
-        base = base.tolist()
+        self.counters.step_tokens += n * report.width
         done = []
-        offset = 0
-        step_drafted = step_accepted = 0
-        for r, (seq, proposal, block) in enumerate(zip(rows, proposals, blocks)):
-            seq.stats.target_forwards += 1
-            draft = proposal.tokens if proposal else []
-            row_logits = logits[offset : offset + len(block)]  # [1 + len(draft), vocab]
-            offset += len(block)
-            verdict = Engine._verify(row_logits, proposal or Proposal([]), draft, seq.request.sampling,
-                                     seq.generator)
-            # Keep the lead token and the accepted drafts; padding and rejected drafts fall away.
-            view.truncate(base[r] + 1 + verdict.num_accepted, row=r)
-            Engine._count(seq.stats, len(draft), verdict.num_accepted)
-            Engine._count(self.counters.spec, len(draft), verdict.num_accepted)
-            step_drafted += len(draft)
-            step_accepted += verdict.num_accepted
-            if proposal is not None:
-                seq.drafter.feedback(verdict.num_accepted)
-            if self._emit(seq, verdict.tokens, row_logits):
+        for seq, emitted in zip(self._running, report.emitted):
+            self.counters.spec.count(emitted.drafted, emitted.accepted, emitted.depth)
+            if self._emit(seq, emitted):
                 done.append(seq)
-        if self.goodput is not None:
-            self.goodput.observe_drafts(step_drafted, step_accepted)
         for seq in done:
-            self._leave(seq, seq.out.finish_reason)
+            self._leave(seq, seq.row.out.finish_reason)
 
-    def _emit(self, seq: _Sequence, tokens: list[int], logits: torch.Tensor) -> bool:
-        """Push `tokens` through the request's output filter; send one delta. True when finished.
-
-        logits: [len(tokens), vocab] the target's raw logits that predicted each token.
-        """
-        now = time.perf_counter()
+    def _emit(self, seq: _Sequence, emitted: Emitted) -> bool:
+        """Send what the core pushed through the request's `Output` as one delta. True when finished."""
         if seq.first_token is None:
-            seq.first_token = now
-        kept = []
-        for token in tokens:
-            seq.out.push(token)
-            kept.append(token)
-            if seq.out.finish_reason is not None:
-                break
+            seq.first_token = time.perf_counter()
+        kept = emitted.tokens
         self.counters.generation_tokens += len(kept)
         logprobs = None
         if seq.request.logprobs is not None:
-            logp = torch.log_softmax(logits[: len(kept)].float(), dim=-1)  # [len(kept), vocab]
+            logp = torch.log_softmax(emitted.logits.float(), dim=-1)  # [len(kept), vocab]
             chosen = logp[torch.arange(len(kept)), torch.tensor(kept)].tolist()
             top = logp.topk(seq.request.logprobs, dim=-1) if seq.request.logprobs else None
             logprobs = [TokenLogprob(t, lp, list(zip(top.indices[i].tolist(), top.values[i].tolist())) if top else [])
                         for i, (t, lp) in enumerate(zip(kept, chosen))]
-        if seq.out.finish_reason is None:
-            seq.handle._put(Delta(self._safe_text(seq), kept, logprobs))
+        out = seq.row.out
+        if not out.finished:
+            seq.handle._put(Delta(out.take_text(), kept, logprobs))
             return False
-        text = seq.out.text[seq.sent:]  # the final text, cut before any stop string
-        self._finish(seq, seq.out.finish_reason, text=text, tokens=kept, logprobs=logprobs)
+        self._finish(seq, out.finish_reason, text=out.take_text(), tokens=kept, logprobs=logprobs)
         return True
-
-    @staticmethod
-    def _safe_text(seq: _Sequence) -> str:
-        """The new text that can be sent: a tail that might begin a stop string is held back.
-
-        A stop string may arrive split over several tokens; text sent to a stream cannot be taken
-        back, so a tail that equals a proper prefix of some stop string waits for the next tokens.
-        """
-        text = seq.out.text
-        hold = 0
-        for stop in seq.out.stop:
-            for n in range(min(len(stop) - 1, len(text)), hold, -1):
-                if text.endswith(stop[:n]):
-                    hold = n
-                    break
-        delta = text[seq.sent : max(seq.sent, len(text) - hold)]
-        seq.sent += len(delta)
-        return delta
 
     def _leave(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
         """Take `seq` out of the batch, keeping the running rows contiguous."""
@@ -643,20 +548,16 @@ class BatchScheduler:
             return
         seq.handle.finished = True
         now = time.perf_counter()
-        if seq.drafter is not None and seq.first_token is not None:
-            seq.drafter.end(list(seq.out.ids))
-        stats = seq.stats
-        stats.new_tokens = len(seq.out.ids)
-        stats.wall_s = now - (seq.admitted or now)
-        decode_s = stats.wall_s - stats.prefill_s
-        stats.tokens_per_s = (stats.new_tokens - 1) / decode_s if decode_s > 0 and stats.new_tokens > 1 else 0.0
+        row = seq.row
+        self.engine.finish(row, now)
+        stats = row.stats
         timing = None
         if seq.first_token is not None:
             ttft = seq.first_token - seq.arrival
             tpot = (now - seq.first_token) / (stats.new_tokens - 1) if stats.new_tokens > 1 else None
             timing = Timing(seq.admitted - seq.arrival, ttft, now - seq.arrival, tpot)
         delta = Delta(text, tokens or [], logprobs, reason,
-                      Usage(len(seq.request.prompt_ids), len(seq.out.ids)), stats, timing, error)
+                      Usage(len(seq.request.prompt_ids), len(row.out.ids)), stats, timing, error)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         seq.handle._put(delta)
         if self.on_finish is not None:

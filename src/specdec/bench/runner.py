@@ -171,9 +171,9 @@ class TimedDrafter:
     def begin(self, prompt_ids, sampling=None, generator=None) -> None:
         self.inner.begin(prompt_ids, sampling, generator)
 
-    def propose(self, context: list[int], k: int):
+    def propose(self, context: list[int], k: int, **options):
         start = time.perf_counter()
-        proposal = self.inner.propose(context, k)
+        proposal = self.inner.propose(context, k, **options)
         self.seconds += time.perf_counter() - start
         return proposal
 
@@ -221,8 +221,9 @@ class SpecdecRunner:
 
         inner = self.make_drafter()
         self.drafter = TimedDrafter(inner) if inner is not None else None
-        self.engine = Engine(self.model, self.tokenizer, self.drafter, self.config.k or 5, self.config.draft_length,
-                             self.config.options.get("tree"))
+        self.engine = Engine(self.model, self.tokenizer, drafter=self.drafter,
+                             num_speculative_tokens=self.config.k or 5,
+                             draft_length=self.config.draft_length, draft_tree=self.config.options.get("tree"))
 
     def generate(self, ids: tuple[int, ...], max_new: int) -> Run:
         from ..sampling import SamplingParams
@@ -423,7 +424,7 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
         key = target_key(c, settings.dtype, settings.quantize, canon)
         if key not in targets:
             log(f"loading the target {settings.model} ({key[0]}{', int8' if key[1] == 'int8' else ''})")
-            targets[key] = Engine.load(settings.model, "none", device=device, dtype=key[0], quantize=key[1],
+            targets[key] = Engine.load(settings.model, drafter="none", device=device, dtype=key[0], quantize=key[1],
                                        progress=_load_progress(log))
         base = targets[key]
         described[c.label] = f"specdec {key[0]}" + (" int8" if key[1] == "int8" else "")

@@ -9,11 +9,10 @@ One drafter a file:
 """
 
 from specdec.drafters.base import (
-    AdaptiveDraftLength,
-    CostAwareDraftLength,
     Drafter,
     Proposal,
-    TreeDrafter,
+    DrafterBase,
+    DrafterNeeds,
     TreeShape,
 )
 from specdec.drafters.draft_model import DraftModelDrafter
@@ -21,13 +20,12 @@ from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixDrafter
 
 __all__ = [
-    "AdaptiveDraftLength",
-    "CostAwareDraftLength",
     "DraftModelDrafter",
     "Drafter",
     "NgramDrafter",
     "Proposal",
     "SuffixDrafter",
-    "TreeDrafter",
+    "DrafterBase",
+    "DrafterNeeds",
     "TreeShape",
 ]

@@ -1,4 +1,6 @@
-"""The drafter protocol, its return value, and the two adaptive draft-length rules.
+"""The drafter contract: `DrafterNeeds`, the `Drafter` protocol and its return value `Proposal`.
+
+(The draft-length rules live in `specdec.policy`.)
 
 A drafter guesses the next few tokens cheaply; the engine verifies them against the target. Drafters
 never call `verify` and never touch the target's cache: they see token ids in, token ids out, and
@@ -13,9 +15,12 @@ Lifecycle of one request, as the engine drives it::
         drafter.feedback(num_accepted)
     drafter.end(output_ids)                      # output_ids = every generated token
 
-A drafter that can offer several candidates per position also has `propose_tree(context, depth,
-top_k, budget) -> TokenTree` (see `TreeDrafter`); an engine built with a `TreeShape` calls it in
-place of `propose`, and `feedback` then gets the length of the accepted root-to-node path.
+What a drafter needs from the core and what it can do is declared once, in its `needs`
+(`DrafterNeeds`): the core reads those flags and never probes a drafter's type or attributes. A
+drafter with `needs.trees` also has `propose_tree(context, depth, top_k, budget) -> TokenTree`; a
+row with a `TreeShape` calls it in place of `propose`, and `feedback` then gets the length of the
+accepted root-to-node path. One with `needs.observes` gets the target's hidden states of every
+committed token through `observe`.
 """
 
 from __future__ import annotations
@@ -57,11 +62,56 @@ class Proposal:
             )
 
 
+FINAL_HIDDEN = -1  # `DrafterNeeds.observes`: the target's final-normed hidden state (what its head reads)
+
+
+@dataclass(frozen=True)
+class DrafterNeeds:
+    """What a drafter declares, once, about what it needs from the decoding core and what it does.
+
+    The core reads only these fields (never `isinstance` or attribute probes):
+
+    observes: the target layers whose hidden states the drafter reads through `observe`, one row
+        per token the target's cache commits, in order; None = none (lookup drafters, a draft
+        model). Today the core hands over `FINAL_HIDDEN` only (EAGLE-1/2); a head reading several
+        layers (EAGLE-3) declares their indices.
+    trees: whether `propose_tree` drafts token trees.
+    labels_proposals: whether `Proposal.source` says what kind of guess each proposal is (a
+        lookup's match length), so the draft-length rule keeps one acceptance estimate per kind
+        and the core asks for the most the rule may keep (looking up is free).
+    model: whether each drafted token costs a forward of a model (a draft model, an EAGLE head):
+        the policy then prices a draft token by the measured time of `propose`, and never asks
+        for zero tokens when the rule wants some.
+    fallback: whether `propose` takes `fallback_k`, the length for the learned part of a
+        lookup-first combination where lookup found nothing.
+    """
+
+    observes: tuple[int, ...] | None = None
+    trees: bool = False
+    labels_proposals: bool = False
+    model: bool = False
+    fallback: bool = False
+
+
+LOOKUP_NEEDS = DrafterNeeds(labels_proposals=True)
+
+
 @runtime_checkable
 class Drafter(Protocol):
-    """What the engine needs from a drafter. State lives in the drafter object, per request."""
+    """What the engine needs from a drafter. State lives in the drafter object, per request.
+
+    Every drafter has every method below (`DrafterBase` gives the no-op ones); `needs` says which
+    of them the core calls (`observe` only with `needs.observes`, `propose_tree` only with
+    `needs.trees`).
+    """
 
     name: str
+    needs: DrafterNeeds
+
+    def spawn(self) -> "Drafter":
+        """A fresh drafter for another request, sharing whatever is heavy and read-only (a model's
+        weights, an EAGLE head): the server runs one per request, side by side."""
+        ...
 
     def begin(
         self,
@@ -80,7 +130,38 @@ class Drafter(Protocol):
         ...
 
     def propose(self, context: list[int], k: int) -> Proposal:
-        """Propose up to `k` tokens that follow `context` (prompt + all tokens emitted so far)."""
+        """Propose up to `k` tokens that follow `context` (prompt + all tokens emitted so far).
+        (With `needs.fallback`, also `fallback_k=`: see `combined.LookupFirstDrafter`.)"""
+        ...
+
+    def propose_tree(self, context: list[int], depth: int, top_k: int, budget: int) -> TokenTree:
+        """With `needs.trees`: at most `budget` nodes, `depth` levels and `top_k` children per node.
+
+        The candidates are deterministic given the context (no q): verification treats each as
+        one-hot, which keeps sampling exact (see `verify.verify_tree_sampling`). Siblings come in
+        the order the drafter prefers them (tried in that order when sampling). An empty tree
+        means nothing to propose: the engine does a plain step.
+        """
+        ...
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        """With `needs.observes`: the target's hidden states [T, h] of the tokens its cache just
+        committed, in commit order."""
+        ...
+
+    def reserve(self, rows: int, length: int) -> None:
+        """A server will run up to `rows` requests of up to `length` tokens side by side, each on
+        a `spawn()` of this drafter: a model drafter may give them one shared, batched cache."""
+        ...
+
+    def batch_key(self) -> object | None:
+        """Rows whose drafters give the same key (not None) propose in one call of
+        `propose_batch`; None: this row proposes alone."""
+        ...
+
+    def propose_batch(self, drafters: list["Drafter"], contexts: list[list[int]], ks: list[int]) -> list[Proposal]:
+        """`drafters[i].propose(contexts[i], ks[i])` for rows of one batch key, together (one model
+        forward per draft position for a draft model)."""
         ...
 
     def feedback(self, num_accepted: int) -> None:
@@ -92,19 +173,39 @@ class Drafter(Protocol):
         ...
 
 
-@runtime_checkable
-class TreeDrafter(Drafter, Protocol):
-    """A drafter that can also propose a token tree (EAGLE's head, n-gram lookup)."""
+class DrafterBase:
+    """The no-op parts of the contract, for drafters to inherit: nothing to observe, no trees,
+    nothing learned from feedback, no per-request state to drop."""
+
+    name = "drafter"
+    needs = DrafterNeeds()
+
+    def spawn(self):
+        return type(self)()
+
+    def begin(self, prompt_ids: list[int], sampling=None, generator=None) -> None:
+        pass
 
     def propose_tree(self, context: list[int], depth: int, top_k: int, budget: int) -> TokenTree:
-        """At most `budget` nodes, `depth` levels and `top_k` children per node, following `context`.
+        raise NotImplementedError(f"drafter {self.name!r} does not draft trees (needs.trees is False)")
 
-        The candidates are deterministic given the context (no q): verification treats each as
-        one-hot, which keeps sampling exact (see `verify.verify_tree_sampling`). Siblings come in
-        the order the drafter prefers them (tried in that order when sampling). An empty tree
-        means nothing to propose: the engine does a plain step.
-        """
-        ...
+    def observe(self, hidden) -> None:
+        pass
+
+    def reserve(self, rows: int, length: int) -> None:
+        pass
+
+    def batch_key(self) -> object | None:
+        return None
+
+    def propose_batch(self, drafters, contexts, ks):
+        return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]
+
+    def feedback(self, num_accepted: int) -> None:
+        pass
+
+    def end(self, output_ids: list[int]) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -143,43 +244,6 @@ class TreeShape:
 
     def __str__(self) -> str:
         return f"{self.depth}x{self.top_k}x{self.budget}"
-
-
-@dataclass
-class AdaptiveDraftLength:
-    """The +2 / -1 draft-length heuristic (as in HF transformers' assisted generation).
-
-    Pure per-request state owned by the engine: after a step where every proposed token was
-    accepted the drafter is doing well, so ask for two more next time (up to `k_max`); after any
-    rejection ask for one fewer (down to 1). A step with nothing proposed (a lookup drafter found no
-    match) says nothing about draft quality, so `k` stays as it is.
-    """
-
-    k: int  # the current draft length; starts at the configured k
-    k_max: int
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.k) or not _is_int(self.k_max) or not 1 <= self.k <= self.k_max:
-            raise InvalidRequestError(
-                f"draft length must satisfy 1 <= k <= k_max, got k={self.k}, k_max={self.k_max}",
-                param="num_speculative_tokens",
-            )
-
-    def next_k(self, source: object = None) -> int:
-        """The draft length for the next step (`source`: see `CostAwareDraftLength`; unused here)."""
-        return self.k
-
-    def update(self, num_proposed: int, num_accepted: int, source: object = None) -> None:
-        if not 0 <= num_accepted <= num_proposed:
-            raise ValueError(
-                f"need 0 <= num_accepted <= num_proposed, got {num_accepted}, {num_proposed}"
-            )
-        if num_proposed == 0:
-            return
-        if num_accepted == num_proposed:
-            self.k = min(self.k + 2, self.k_max)
-        else:
-            self.k = max(1, self.k - 1)
 
 
 def draft_chain(choose, advance, logits, k: int) -> Proposal:
@@ -243,76 +307,3 @@ def check_ngram_range(min_ngram: int, max_ngram: int) -> None:
 def check_k(k: int) -> None:
     if not _is_int(k) or k < 0:
         raise InvalidRequestError(f"draft length k must be an integer >= 0, got {k!r}", param="k")
-
-
-@dataclass
-class CostAwareDraftLength:
-    """Per kind of proposal, the draft length with the best expected speedup (Leviathan et al.).
-
-    A verify step over k >= 1 drafts costs about 1 + c0 + c k plain steps (`verify_overhead` = c0,
-    what scoring more than one token costs at all; `verify_cost` = c, the price of each more token;
-    the engine's measured defaults per device and quantisation are in `engine.DEFAULT_VERIFY_COSTS`)
-    and yields (1 - a^(k+1)) / (1 - a) tokens on average when each draft is accepted with
-    probability a once its predecessors were. So the best k maximises
-
-        (1 - a^(k+1)) / ((1 - a) (1 + c0 + c k))      over k = 1 .. k_max,
-
-    When greedy verification screens its rows (`Engine._verify_screened`), a share f
-    (`screened_share`) of each token's price, the output head's, is paid only for the rows up
-    to the first rejection: a + a^2 + ... + a^k of them on average. The cost is then
-    1 + c0 + c ((1 - f) k + f (a + ... + a^k)), which makes a long draft of an uncertain kind cheaper.
-
-    against 1 for k = 0 (no drafting: a plain step), which wins when a is low. The acceptance a is measured per kind of
-    proposal (`Proposal.source`): for the lookup drafters the length of the matched n-gram, since
-    a guess that follows a one-token match is a far weaker one than a guess after a four-token
-    match. Estimate: accepted tokens over accepted tokens + rejections (the maximum-likelihood a of
-    that geometric model; a step that accepted all its drafts shows no rejection), started from a
-    prior of `prior_accepted` / `prior_rejected` pseudo-counts so that a new kind is tried with a
-    short draft. Pure per-request state owned by the engine, like `AdaptiveDraftLength`: it depends
-    only on the verdicts, so a seeded request stays reproducible.
-    """
-
-    k_max: int
-    verify_cost: float
-    verify_overhead: float = 0.0
-    screened_share: float = 0.0
-    prior_accepted: float = 1.5
-    prior_rejected: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.k_max) or self.k_max < 1:
-            raise InvalidRequestError(f"k_max must be an integer >= 1, got {self.k_max!r}",
-                                      param="num_speculative_tokens")
-        if not self.verify_cost > 0:
-            raise InvalidRequestError(f"verify_cost must be > 0, got {self.verify_cost!r}", param="verify_cost")
-        if not self.verify_overhead >= 0:
-            raise InvalidRequestError(f"verify_overhead must be >= 0, got {self.verify_overhead!r}",
-                                      param="verify_overhead")
-        if not 0 <= self.screened_share < 1:
-            raise InvalidRequestError(f"screened_share must be in [0, 1), got {self.screened_share!r}",
-                                      param="screened_share")
-        self._counts: dict[object, list[float]] = {}  # source -> [accepted tokens, rejections]
-
-    def acceptance(self, source: object = None) -> float:
-        accepted, rejected = self._counts.get(source, (0.0, 0.0))
-        return (accepted + self.prior_accepted) / (accepted + rejected + self.prior_accepted + self.prior_rejected)
-
-    def next_k(self, source: object = None) -> int:
-        """The k in 0 .. k_max with the highest expected tokens per unit of step cost."""
-        a, c, f = self.acceptance(source), self.verify_cost, self.screened_share
-        best_k, best, expected = 0, 1.0, 1.0  # k = 0: one token for one plain step
-        for k in range(1, self.k_max + 1):
-            expected += a**k  # 1 + a + ... + a^k
-            value = expected / (1 + self.verify_overhead + c * ((1 - f) * k + f * (expected - 1)))
-            if value > best:
-                best_k, best = k, value
-        return best_k
-
-    def update(self, num_proposed: int, num_accepted: int, source: object = None) -> None:
-        if not 0 <= num_accepted <= num_proposed:
-            raise ValueError(f"need 0 <= num_accepted <= num_proposed, got {num_accepted}, {num_proposed}")
-        if num_proposed == 0:
-            return
-        counts = self._counts.setdefault(source, [0.0, 0.0])
-        counts[0] += num_accepted
-        counts[1] += num_accepted < num_proposed

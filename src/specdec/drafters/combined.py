@@ -14,25 +14,33 @@ so the combination is exactly as lossless as its parts.
 
 from __future__ import annotations
 
-from specdec.drafters.base import Proposal
+from specdec.drafters.base import DrafterBase, DrafterNeeds, Proposal
 from specdec.verify import TokenTree
 
 LEARNED = "learned"  # Proposal.source of the learned drafter's guesses
 
 
-class LookupFirstDrafter:
-    """`lookup` (ngram / suffix) first; `learned` (a drafter with `observe` or a draft model) when
-    the lookup proposes nothing. `fallback_k` caps the learned drafter's chain when the engine
-    gives no length of its own for it."""
-
-    labels_proposals = True  # lookup labels its proposals; the learned ones are labelled LEARNED
+class LookupFirstDrafter(DrafterBase):
+    """`lookup` (ngram / suffix) first; `learned` (an EAGLE head or a draft model) when the lookup
+    proposes nothing. `fallback_k` caps the learned drafter's chain when the engine gives no
+    length of its own for it. Its `needs` are the union of its parts': it labels its proposals
+    (lookup's labels, LEARNED for the learned ones), observes what the learned part observes, and
+    drafts trees when both parts do."""
 
     def __init__(self, lookup, learned, fallback_k: int = 4):
         self.lookup = lookup
         self.learned = learned
         self.fallback_k = fallback_k
         self.name = f"{lookup.name}+{learned.name}"
+        self.needs = DrafterNeeds(observes=learned.needs.observes, trees=lookup.needs.trees and learned.needs.trees,
+                                  labels_proposals=True, model=learned.needs.model, fallback=True)
         self._last = lookup
+
+    def reserve(self, rows: int, length: int) -> None:
+        self.learned.reserve(rows, length)
+
+    def spawn(self) -> "LookupFirstDrafter":
+        return LookupFirstDrafter(self.lookup.spawn(), self.learned.spawn(), self.fallback_k)
 
     def begin(self, prompt_ids: list[int], sampling=None, generator=None) -> None:
         self.lookup.begin(prompt_ids, sampling, generator)
@@ -42,9 +50,7 @@ class LookupFirstDrafter:
     def observe(self, hidden) -> None:
         # Every committed token's feature goes to the learned drafter, lookup steps included: it
         # rebuilds its state from them the next time it is asked.
-        observe = getattr(self.learned, "observe", None)
-        if observe is not None:
-            observe(hidden)
+        self.learned.observe(hidden)
 
     def propose(self, context: list[int], k: int, fallback_k: int | None = None) -> Proposal:
         """Lookup's proposal of up to `k` tokens if it has one, else up to `fallback_k` (default
@@ -60,6 +66,17 @@ class LookupFirstDrafter:
         learned = self.learned.propose(context, n)
         return Proposal(learned.tokens, learned.q, source=LEARNED)
 
+    def propose_tree(self, context: list[int], depth: int = 5, top_k: int = 4, budget: int = 24) -> TokenTree:
+        """With both parts drafting trees (ngram and the EAGLE head): lookup's tree, else the head's."""
+        if not self.needs.trees:
+            return super().propose_tree(context, depth, top_k, budget)
+        tree = self.lookup.propose_tree(context, depth, top_k, budget)
+        if len(tree):
+            self._last = self.lookup
+            return tree
+        self._last = self.learned
+        return self.learned.propose_tree(context, depth, top_k, budget)
+
     def feedback(self, num_accepted: int) -> None:
         self._last.feedback(num_accepted)
 
@@ -68,22 +85,9 @@ class LookupFirstDrafter:
         self.learned.end(output_ids)
 
 
-class LookupFirstTreeDrafter(LookupFirstDrafter):
-    """The same, for two drafters that both propose trees (ngram and the EAGLE head)."""
-
-    def propose_tree(self, context: list[int], depth: int = 5, top_k: int = 4, budget: int = 24) -> TokenTree:
-        tree = self.lookup.propose_tree(context, depth, top_k, budget)
-        if len(tree):
-            self._last = self.lookup
-            return tree
-        self._last = self.learned
-        return self.learned.propose_tree(context, depth, top_k, budget)
-
-
 def lookup_first(lookup, learned, fallback_k: int = 4) -> LookupFirstDrafter:
-    """The combination, able to draft trees when both parts can."""
-    trees = all(callable(getattr(d, "propose_tree", None)) for d in (lookup, learned))
-    return (LookupFirstTreeDrafter if trees else LookupFirstDrafter)(lookup, learned, fallback_k)
+    """The combination (it drafts trees when both parts can)."""
+    return LookupFirstDrafter(lookup, learned, fallback_k)
 
 
 def split_name(name: object) -> tuple[str, str] | None:

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specdec.drafters.base import Proposal, check_k, common_prefix_length, draft_chain
+from specdec.drafters.base import DrafterBase, DrafterNeeds, Proposal, check_k, common_prefix_length, draft_chain
 from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
 from specdec.models.transformer import Transformer
@@ -68,9 +68,10 @@ VOCAB_SIZE_TOLERANCE = 128
 DEFAULT_DRAFT_P_MIN = 0.0
 _INITIAL_ROOM = 256  # cache slots beyond the prompt at `begin`; the cache doubles when full
 _SAMPLE_IDS = 512  # ids whose spelling is compared between the two tokenizers
+_BATCHED_CATCH_UP = 4  # context tokens a row catches up with inside a batched forward, at most
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(DrafterBase):
     """Drafts with a small model on its own KV cache; see the module docstring for the design.
 
     model: any `Transformer` specdec loads, on the device (and usually the dtype) of the target.
@@ -81,6 +82,7 @@ class DraftModelDrafter:
     """
 
     name = "draft_model"
+    needs = DrafterNeeds(model=True)
 
     def __init__(
         self,
@@ -99,6 +101,8 @@ class DraftModelDrafter:
         self._generator: torch.Generator | None = None
         self._cache: KVCache | None = None
         self._tokens: list[int] = []  # ids whose keys/values the cache holds, in order
+        self._pool: DraftPool | None = None  # shared by the spawned rows of a server (`reserve`)
+        self._slot: int | None = None  # this request's row of the pool's cache
 
     @classmethod
     def load(
@@ -107,6 +111,7 @@ class DraftModelDrafter:
         target_vocab_size: int,
         dtype: torch.dtype,
         device,
+        *,
         draft_p_min: float = DEFAULT_DRAFT_P_MIN,
         target_tokenizer=None,
         progress=None,
@@ -121,6 +126,31 @@ class DraftModelDrafter:
 
     # -- protocol -------------------------------------------------------------------------------
 
+    def spawn(self) -> "DraftModelDrafter":
+        """Another request's drafter on the same weights (its own state; its own cache, or a row
+        of the shared pool's once `reserve` made one)."""
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        twin._slot = None
+        twin.end([])
+        twin._sampling = SamplingParams()
+        return twin
+
+    def reserve(self, rows: int, length: int) -> None:
+        """Rows spawned from here from now on share one KV cache of `rows` rows x `length` slots,
+        so that the rows of a batch draft in one forward per draft position (`propose_batch`)."""
+        pool = self._pool
+        if pool is None or pool.cache.batch < rows or pool.cache.capacity < length:
+            self._pool = DraftPool(self.model.new_cache(rows, length))
+
+    def batch_key(self) -> object | None:
+        """Rows whose drafters return the same key propose together (`propose_batch`)."""
+        return self._pool if self._slot is not None else None
+
+    def propose_batch(self, drafters: list["DraftModelDrafter"], contexts: list[list[int]],
+                      ks: list[int]) -> list[Proposal]:
+        return propose_batch(drafters, contexts, ks)
+
     def begin(
         self,
         prompt_ids: list[int],
@@ -131,7 +161,13 @@ class DraftModelDrafter:
         if generator is None and not self._sampling.greedy:
             generator = make_generator(self._sampling.seed, self.device)
         self._generator = generator
-        self._cache = self.model.new_cache(1, len(prompt_ids) + _INITIAL_ROOM)
+        if self._pool is not None:
+            if self._slot is None:
+                self._slot = self._pool.acquire()
+            self._cache = self._pool.cache.rows(self._slot + 1, self._slot)
+            self._cache.truncate(0)
+        else:
+            self._cache = self.model.new_cache(1, len(prompt_ids) + _INITIAL_ROOM)
         self._tokens = []
 
     def propose(self, context: list[int], k: int) -> Proposal:
@@ -165,6 +201,9 @@ class DraftModelDrafter:
         pass
 
     def end(self, output_ids: list[int]) -> None:
+        if self._slot is not None:
+            self._pool.release(self._slot)
+            self._slot = None
         self._cache = None  # free the cache between requests
         self._tokens = []
         self._generator = None
@@ -222,7 +261,7 @@ class DraftModelDrafter:
         """Grow the cache (double, copying the filled slots) when `new_tokens` would not fit."""
         cache = self._cache
         need = cache.length() + new_tokens
-        if need <= cache.capacity:
+        if need <= cache.capacity or self._slot is not None:  # a pool row is sized for any request
             return
         grown = self.model.new_cache(1, max(need, 2 * cache.capacity))
         n = cache.length()
@@ -232,6 +271,112 @@ class DraftModelDrafter:
         grown.positions[:, :n] = cache.positions[:, :n]
         grown.truncate(n)
         self._cache = grown
+
+
+class DraftPool:
+    """One KV cache whose rows the drafters of a server's requests take, one each, while they run.
+
+    Rows are handed out lowest first, so the rows in use stay near the start and a batched forward
+    over rows [lo, hi) wastes little on rows of requests that are not drafting this step.
+    """
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.free = list(range(cache.batch))
+
+    def acquire(self) -> int:
+        if not self.free:
+            raise RuntimeError("the draft model's cache has no free row: reserve as many rows as the batch has")
+        self.free.sort()
+        return self.free.pop(0)
+
+    def release(self, slot: int) -> None:
+        self.cache.truncate(0, row=slot)
+        self.free.append(slot)
+
+
+@torch.inference_mode()
+def propose_batch(drafters: list[DraftModelDrafter], contexts: list[list[int]], ks: list[int]) -> list[Proposal]:
+    """Each drafter's `propose(context, k)`, for rows of one pool, in one forward of the draft model
+    per draft position (plus one to catch up with each context's new tokens).
+
+    Every row keeps its own state, sampling and generator, and the same cache rule as `propose`
+    (see the module docstring). A forward runs over the pool rows [lo, hi) that hold the batch;
+    rows in that range that are not drafting get padding, and their lengths are put back after.
+    """
+    pool = drafters[0]._pool
+    cache = pool.cache
+    device = drafters[0].device
+    for k in ks:
+        check_k(k)
+    ks = [min(k, d.model.config.max_position - len(c)) for d, c, k in zip(drafters, contexts, ks)]
+    slots = [d._slot for d in drafters]
+    lo, hi = min(slots), max(slots) + 1
+    view = cache.rows(hi, lo)
+    vocab = drafters[0].model.config.vocab_size
+
+    def forward(news: dict[int, list[int]]) -> dict[int, Tensor]:
+        """Forward `news[i]` (drafter index -> new ids) at each row's length; logits after each
+        row's last new token, in the target's vocabulary."""
+        lengths = view.lengths.clone()
+        width = max(len(t) for t in news.values())
+        tokens = torch.zeros(hi - lo, width, dtype=torch.long, device=device)
+        positions = lengths[:, None] + torch.arange(width, device=device)[None]  # [rows, T]
+        for i, new in news.items():
+            ids = [t if t < vocab else 0 for t in new]  # ids only the target has: see `_forward`
+            tokens[slots[i] - lo, : len(ids)] = torch.tensor(ids, device=device)
+            if len(ids) < width:
+                tokens[slots[i] - lo, len(ids):] = ids[-1]
+        _, hidden = drafters[0].model(tokens, positions, view, last_n=0)  # [rows, T, h]
+        view.lengths.copy_(lengths)  # rows not drafting keep their length; drafting rows move below
+        rows = torch.tensor([slots[i] - lo for i in news], device=device)
+        last = torch.tensor([len(news[i]) - 1 for i in news], device=device)
+        logits = drafters[0].model.head(hidden[rows, last])  # [drafting rows, draft vocab]
+        out = {}
+        for j, (i, new) in enumerate(news.items()):
+            view.lengths[slots[i] - lo] += len(new)
+            drafters[i]._tokens.extend(new)
+            out[i] = drafters[i]._to_target_vocab(logits[j])
+        return out
+
+    # Catch up: keep each row's common prefix with its context (never its last token), forward the
+    # rest: in steady state one or two tokens a row, together; a long tail (the first proposal of a
+    # request reads its whole prompt) on the row's own, so no forward is wider than a draft step's
+    # room past the other rows' lengths.
+    news, logits = {}, {}
+    for i, (d, context) in enumerate(zip(drafters, contexts)):
+        if ks[i] <= 0 or not context:
+            continue
+        keep = min(common_prefix_length(d._tokens, context), len(context) - 1)
+        if len(context) - keep > _BATCHED_CATCH_UP:
+            logits[i] = d._sync(context)
+            continue
+        d._cache.truncate(keep)
+        del d._tokens[keep:]
+        news[i] = list(context[keep:])
+    tokens: dict[int, list[int]] = {i: [] for i in [*news, *logits]}
+    qs: dict[int, list[Tensor]] = {i: [] for i in tokens}
+    if news:
+        logits.update(forward(news))
+    active = set(tokens)
+    while active:
+        feed = {}
+        for i in sorted(active):
+            token, q = drafters[i]._choose(logits[i])
+            if token is None:
+                active.discard(i)
+                continue
+            tokens[i].append(token)
+            if q is not None:
+                qs[i].append(q)
+            if len(tokens[i]) == ks[i]:
+                active.discard(i)  # the last draft is never fed: nothing reads its logits yet
+            else:
+                feed[i] = [token]
+        if feed:
+            logits = forward(feed)
+    return [Proposal(tokens[i], torch.stack(qs[i]) if qs[i] else None) if i in tokens else Proposal([])
+            for i in range(len(drafters))]
 
 
 def check_draft_p_min(draft_p_min: float) -> None:

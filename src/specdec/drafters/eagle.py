@@ -46,7 +46,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from specdec.drafters.base import Proposal, check_k, common_prefix_length, draft_chain
+from specdec.drafters.base import (FINAL_HIDDEN, DrafterBase, DrafterNeeds, Proposal, check_k, common_prefix_length,
+                                   draft_chain)
 from specdec.drafters.draft_model import check_draft_p_min
 from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
@@ -280,7 +281,7 @@ def frequent_ids(counts: Tensor, size: int, always: Sequence[int] = ()) -> Tenso
 # -- the drafter -----------------------------------------------------------------------------------
 
 
-class EagleDrafter:
+class EagleDrafter(DrafterBase):
     """Drafts k tokens with an `EagleModel`; implements the `Drafter` protocol plus `observe`.
 
     State per request: `_feats` [capacity, h] holds the target's true features of context[:n_feats]
@@ -290,6 +291,8 @@ class EagleDrafter:
     """
 
     name = "eagle"
+    # The target's final-normed features of every committed token; EAGLE-2 style trees.
+    needs = DrafterNeeds(observes=(FINAL_HIDDEN,), trees=True, model=True)
 
     def __init__(self, model: EagleModel, draft_p_min: float = 0.0):
         check_draft_p_min(draft_p_min)
@@ -301,6 +304,10 @@ class EagleDrafter:
         self._feats: Tensor | None = None
         self._n_feats = 0
         self._tokens: list[int] = []
+
+    def spawn(self) -> "EagleDrafter":
+        """Another request's drafter on the same head (its own cache and features)."""
+        return type(self)(self.model, self.draft_p_min)
 
     @classmethod
     def load(cls, folder: str | Path, target: Transformer, draft_p_min: float = 0.0) -> "EagleDrafter":

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specdec.drafters.base import Proposal, check_k, check_ngram_range, common_prefix_length
+from specdec.drafters.base import DrafterBase, DrafterNeeds, Proposal, check_k, check_ngram_range, common_prefix_length
 from specdec.verify import TokenTree
 
 
-class NgramDrafter:
+class NgramDrafter(DrafterBase):
     """Prompt-lookup drafter over the current request's context (no cross-request state).
 
     propose(context, k): for n = max_ngram down to min_ngram, look up the last n tokens of
@@ -33,7 +33,8 @@ class NgramDrafter:
     """
 
     name = "ngram"
-    labels_proposals = True  # Proposal.source = the length of the n-gram the draft follows
+    # Proposal.source = the length of the n-gram the draft follows; trees of several occurrences.
+    needs = DrafterNeeds(trees=True, labels_proposals=True)
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         check_ngram_range(min_ngram, max_ngram)
@@ -44,6 +45,9 @@ class NgramDrafter:
         # lengths never compare equal) -> positions right after its indexed occurrences, in order
         self._index: dict[tuple[int, ...], list[int]] = {}
         self._next_end = 0  # n-grams ending before this position (exclusive end) are indexed
+
+    def spawn(self) -> "NgramDrafter":
+        return NgramDrafter(self.max_ngram, self.min_ngram)
 
     def begin(self, prompt_ids: list[int], sampling=None, generator=None) -> None:
         # Deterministic lookup: the request's sampling params and generator are not needed.

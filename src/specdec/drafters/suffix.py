@@ -31,6 +31,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from specdec.drafters.base import (
+    LOOKUP_NEEDS,
+    DrafterBase,
     Proposal,
     _is_int,
     check_k,
@@ -40,11 +42,11 @@ from specdec.drafters.base import (
 from specdec.errors import InvalidRequestError
 
 
-class SuffixDrafter:
+class SuffixDrafter(DrafterBase):
     """Frequency-based lookup drafter with statistics shared across requests (see module doc)."""
 
     name = "suffix"
-    labels_proposals = True  # Proposal.source = the length of the n-gram the draft follows
+    needs = LOOKUP_NEEDS  # Proposal.source = the length of the n-gram the draft follows
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_entries: int = 200_000):
         check_ngram_range(min_ngram, max_ngram)
@@ -60,6 +62,10 @@ class SuffixDrafter:
         self._counts: OrderedDict[tuple[int, ...], dict[int, int]] = OrderedDict()
         self._stream: list[int] = []  # the current request's prompt + tokens, all counted
         self._prompt_len = 0  # length of the current request's prompt inside _stream
+
+    def spawn(self) -> "SuffixDrafter":
+        # A fresh table: rows that run side by side would interleave their streams in one.
+        return SuffixDrafter(self.max_ngram, self.min_ngram, self.max_entries)
 
     @property
     def num_entries(self) -> int:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .cache_dir import cache_root
+
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # -ffp-contract=off: no multiply-add fused unless the source asks for it (std::fma), so results do
 # not depend on what the compiler chose to contract. -fopenmp: at::parallel_for is OpenMP in
@@ -74,8 +76,6 @@ def cpu_signature() -> str:
 
 
 def build_dir() -> Path:
-    from .loader import cache_root
-
     # The source's path too: the build files name it, so two checkouts sharing one folder would
     # each see the other's build as stale and recompile (~40 s) at every switch between them.
     text = (SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode()

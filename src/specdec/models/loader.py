@@ -24,14 +24,11 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelLoadError
+from .cache_dir import cache_root
 from .gguf_file import GgufFile, read_gguf
 from .transformer import ModelConfig, RopeSpec, Transformer
 
 SUPPORTED_FAMILIES = ("gemma3", "llama", "mistral", "qwen2", "qwen3")
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
 
 
 def default_model_path() -> Path:

@@ -128,17 +128,24 @@ def _versions(tensors: tuple[Tensor, ...]) -> tuple[int, ...]:
 # How many parameters, buffers and submodules any nn.Module has registered (set as an attribute or
 # registered by name) in this process, counted by PyTorch's global registration hooks. While it has
 # not moved, no module anywhere has been given another weight or submodule, so a block's remembered
-# kernel arguments still name its current ones (`Block._kernel_parts`).
+# kernel arguments still name its current ones (`Block._kernel_parts`). The hooks are process-wide,
+# so they are installed only when a block first takes the compiled kernels, not at import.
 _registrations = [0]
+_counting: list[bool] = []
 
 
 def _count_registration(*_) -> None:
     _registrations[0] += 1
 
 
-nn.modules.module.register_module_module_registration_hook(_count_registration)
-nn.modules.module.register_module_parameter_registration_hook(_count_registration)
-nn.modules.module.register_module_buffer_registration_hook(_count_registration)
+def registrations() -> int:
+    """The registration count, installing the counting hooks on first use."""
+    if not _counting:
+        nn.modules.module.register_module_module_registration_hook(_count_registration)
+        nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+        nn.modules.module.register_module_buffer_registration_hook(_count_registration)
+        _counting.append(True)
+    return _registrations[0]
 
 
 class RMSNorm(Layer):
@@ -435,7 +442,8 @@ class Block(Layer):
         if cache_keys.dtype != torch.float32:
             return None
         memo = self.__dict__.get("_kernel_memo")
-        if memo is not None and memo[3] == _registrations[0] and memo[1] == _versions(memo[4]):
+        count = registrations()
+        if memo is not None and memo[3] == count and memo[1] == _versions(memo[4]):
             return memo[2]
         modules, norm_weights = self._kernel_key()
         versions = _versions(norm_weights)
@@ -443,7 +451,7 @@ class Block(Layer):
         if (memo is None or len(memo[0]) != len(modules) or not all(a is b for a, b in zip(memo[0], modules))
                 or memo[1] != versions):
             parts = self._make_kernel_parts()
-        self.__dict__["_kernel_memo"] = (modules, versions, parts, _registrations[0], norm_weights)
+        self.__dict__["_kernel_memo"] = (modules, versions, parts, count, norm_weights)
         return parts
 
     def _make_kernel_parts(self) -> tuple | None:

@@ -40,6 +40,7 @@ from ..models.transformer import Transformer
 from ..sampling import SamplingParams
 from ..scheduler import BatchScheduler, Delta, RequestHandle, TokenLogprob
 from ..scheduler import Request as GenRequest
+from ..scheduler import serving_drafters
 from ..tokenizer import Tokenizer
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling, parse
@@ -113,11 +114,10 @@ def _specdec_error_response(exc: SpecdecError) -> JSONResponse:
 
 
 def load_model(settings: ServerSettings) -> tuple[Transformer, Tokenizer | None]:
-    """Load the target model and its tokenizer (drafting is per request; see the scheduler)."""
+    """Load the target model and its tokenizer (the drafters are loaded for it by `create_app`)."""
     from ..engine import Engine
 
-    engine = Engine.load(settings.model, "none", settings.num_speculative_tokens, settings.device, settings.dtype,
-                         quantize=settings.quantize)
+    engine = Engine.load(settings.model, device=settings.device, dtype=settings.dtype, quantize=settings.quantize)
     return engine.model, engine.tokenizer
 
 
@@ -134,9 +134,13 @@ def create_app(settings: ServerSettings,
     def load_in_background() -> None:
         try:
             model, tokenizer = load(settings)
+            # Every drafter a request may name is loaded now, once (a draft model, an EAGLE head).
+            drafters, default = serving_drafters(settings.drafter, model, tokenizer)
             scheduler = BatchScheduler(
-                model, tokenizer, settings.drafter, settings.num_speculative_tokens, settings.max_batch,
-                settings.max_queue, settings.max_model_len, settings.spec_token_budget,
+                model, tokenizer, drafter=default, drafters=drafters,
+                num_speculative_tokens=settings.num_speculative_tokens, max_batch=settings.max_batch,
+                max_queue=settings.max_queue, max_model_len=settings.max_model_len,
+                spec_token_budget=settings.spec_token_budget,
                 max_speculative_tokens=max(16, settings.num_speculative_tokens),
                 adaptive=settings.speculation_control == "goodput", on_finish=state.metrics.observe)
             state.tokenizer = tokenizer

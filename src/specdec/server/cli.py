@@ -19,8 +19,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default="default", help="HF folder or .gguf file (default: Gemma 3 270M)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients send as `model` (default: derived from --model)")
-    parser.add_argument("--drafter", default="none", choices=["none", "ngram", "suffix"],
-                        help="default lookup drafter (requests may override it with `speculative`)")
+    parser.add_argument("--drafter", default="none",
+                        help="default drafter, loaded at start: none | ngram | suffix | eagle | eagle:DIR | a draft "
+                             "model's path | ngram+LEARNED | suffix+LEARNED; requests may choose another loaded one "
+                             "by name with `speculative` (none, ngram, suffix, and eagle / draft_model and their "
+                             "ngram+ / suffix+ combinations when one was loaded)")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
     parser.add_argument("--spec-token-budget", type=int, default=32,
                         help="tokens one batched forward may score: with n running requests each drafts at most "
@@ -90,7 +93,7 @@ def bind(host: str, port: int) -> socket.socket:
 def run(args) -> int:
     import uvicorn
 
-    from ..engine import check_quantize, resolve_device, resolve_dtype
+    from ..engine import check_quantize, draft_model_path, resolve_device, resolve_dtype
     from ..models.loader import check_path
     from .app import create_app
 
@@ -103,6 +106,7 @@ def run(args) -> int:
     check_quantize(settings.quantize, device)
     if settings.model != "default":
         check_path(settings.model)
+    draft_model_path(settings.drafter)  # an unknown drafter or a missing path fails here
     sock = bind(args.host, args.port)
     load_errors: list[str] = []
 

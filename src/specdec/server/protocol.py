@@ -151,10 +151,11 @@ class StreamOptions(_Strict):
 
 
 class SpeculativeOptions(_Strict):
-    """Per-request speculation: which lookup drafter, and how many tokens it may draft per step."""
+    """Per-request speculation: which of the drafters the server loaded at start (by name; the
+    scheduler checks it), and how many tokens it may draft per step."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-    drafter: Literal["none", "ngram", "suffix"] | None = None
+    drafter: str | None = None
     num_tokens: Int | None = Field(None, ge=0)
 
 

@@ -1,0 +1,369 @@
+"""Every draft-length rule in one place: how many tokens a row drafts this step.
+
+Per row (one request), a rule object owned by the row, fresh per request:
+
+* `FixedDraftLength`: always k.
+* `AdaptiveDraftLength`: the +2 / -1 heuristic of HF transformers' assisted generation.
+* `CostAwareDraftLength` (the default for chains): per kind of proposal, the k with the best
+  expected tokens per unit of step cost, from the measured acceptance and the price of a step.
+
+Over the batch, under load (the server), two caps on every row's k, the smaller winning:
+
+* `budget_ceiling`: a forward scores at most `spec_token_budget` tokens.
+* `GoodputModel`: learns the step time as a line in the tokens scored and picks the k with the
+  most expected tokens per second for the whole batch.
+
+The price of a step, in plain (one-token) target steps, for a chain of k drafts:
+
+    1 + c0 + c k            verifying: `verify_overhead` c0, `verify_cost` c per scored token
+      + d k                 drafting: d = the measured cost of one draft token of this drafter
+
+c0 and c are the target's (DEFAULT_VERIFY_COSTS per device and quantisation, or the user's); d is
+the drafter's: ~0 for lookup drafters (a dictionary look-up), and for a drafter that runs a model
+per token (`DrafterNeeds.model`: a draft model, an EAGLE head) the time its `propose` takes per
+token relative to the time of a target step, measured online (`DraftCost`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import InvalidRequestError
+
+DRAFT_LENGTHS = ("fixed", "adaptive", "cost")
+# The cost-aware draft length's step-cost model, 1 + overhead + cost * k for a verify pass over k
+# drafts, in plain steps (see `CostAwareDraftLength`). Measured on the 2-core AVX2 CPU with the
+# default model (a pass over T tokens relative to T = 1): float32 1.73 at T = 2, 2.31 at T = 6, 2.60
+# at T = 9 after a 100-token context (its matrix products leave their one-row fast path); int8, with
+# the compiled CPU kernels, after a 400-token context: 1.02 at T = 2, 1.51 at T = 4, 1.88 at T = 6,
+# 2.16 at T = 9 (BENCHMARKS.md, evening run). A GPU scores a few tokens for about one: the CUDA row is
+# an estimate, not yet measured on a GPU.
+DEFAULT_VERIFY_COSTS = {  # (overhead, cost per draft token)
+    "cpu": (0.5, 0.14),
+    "cpu-int8": (0.0, 0.16),
+    "cuda": (0.0, 0.03),
+}
+# The output head's share of that per-token cost, which greedy screening pays only for rows up to
+# the first rejection (`CostAwareDraftLength.screened_share`). int8, 400-token context: the head
+# grows by ~0.07-0.08 plain steps a row and the rest of the pass by ~0.075-0.095 (BENCHMARKS.md,
+# 3 December, evening and night).
+SCREENED_SHARE = {"cpu-int8": 0.45}
+# The price of a model drafter's token, in plain target steps, before any has been measured, and
+# for seeded sampled rows (whose k must not depend on timings): optimistic, so the first step
+# drafts and measures the real price.
+DEFAULT_DRAFT_TOKEN_COST = 0.0
+
+
+def hardware_kind(model) -> str:
+    """The DEFAULT_VERIFY_COSTS row for a target: cuda, cpu-int8 or cpu."""
+    from .models.quant import Int8Linear
+
+    if model.embed_tokens.weight.device.type == "cuda":
+        return "cuda"
+    return "cpu-int8" if isinstance(model.lm_head, Int8Linear) else "cpu"
+
+
+def default_draft_length(draft_length: str | None, tree) -> str:
+    """None means the measured best: "cost" for chains (BENCHMARKS.md, Spec-Bench mix on the int8
+    target, 2-core CPU: prompt lookup 1.77x plain with it, 1.60x with a fixed k = 5; a tie in
+    float32); a tree has a fixed shape."""
+    if draft_length is not None:
+        return draft_length
+    return "fixed" if tree is not None else "cost"
+
+
+def check_draft_length(draft_length: str, verify_cost: float | None, verify_overhead: float | None = None) -> None:
+    if draft_length not in DRAFT_LENGTHS:
+        raise InvalidRequestError(f"draft_length must be one of {', '.join(DRAFT_LENGTHS)}; got {draft_length!r}",
+                                  "draft_length")
+    if verify_cost is not None and not (isinstance(verify_cost, (int, float)) and 0 < verify_cost <= 10):
+        raise InvalidRequestError(f"verify_cost must be a number in (0, 10], got {verify_cost!r}", "verify_cost")
+    if verify_overhead is not None and not (isinstance(verify_overhead, (int, float)) and 0 <= verify_overhead <= 10):
+        raise InvalidRequestError(f"verify_overhead must be a number in [0, 10], got {verify_overhead!r}",
+                                  "verify_overhead")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class DraftCost:
+    """The measured price of one draft token of one drafter, in plain target steps.
+
+    Two exponentially weighted means, kept per kind of proposal (`Proposal.source`: a lookup-first
+    combination's lookup guesses cost nothing, its learned ones a model forward each): seconds of
+    `propose` per drafted token, and seconds of one plain target step (a verify pass's time over
+    its modelled cost in plain steps). Their ratio is the price. Before both are measured, `prior`.
+    Shared by the rows of one drafter, since the price is the drafter's, not a request's.
+    """
+
+    prior: float = DEFAULT_DRAFT_TOKEN_COST
+    decay: float = 0.9
+    _draft: dict = field(default_factory=dict)  # source -> [weighted seconds, weighted tokens]
+    _step: list = field(default_factory=lambda: [0.0, 0.0])  # [weighted seconds, weighted plain steps]
+
+    def observe_draft(self, source: object, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        w = self._draft.setdefault(source, [0.0, 0.0])
+        w[0], w[1] = self.decay * w[0] + seconds, self.decay * w[1] + tokens
+
+    def observe_step(self, seconds: float, plain_steps: float) -> None:
+        self._step[0] = self.decay * self._step[0] + seconds
+        self._step[1] = self.decay * self._step[1] + plain_steps
+
+    def per_token(self, source: object = None) -> float:
+        w = self._draft.get(source)
+        if w is None or not w[1] or not self._step[1] or not self._step[0]:
+            return self.prior
+        return (w[0] / w[1]) / (self._step[0] / self._step[1])
+
+
+@dataclass
+class FixedDraftLength:
+    """Always `k_max` tokens (a tree's fixed shape, `draft_length="fixed"`)."""
+
+    k_max: int
+
+    def next_k(self, source: object = None) -> int:
+        return self.k_max
+
+    def update(self, num_proposed: int, num_accepted: int, source: object = None) -> None:
+        pass
+
+
+@dataclass
+class AdaptiveDraftLength:
+    """The +2 / -1 draft-length heuristic (as in HF transformers' assisted generation).
+
+    Pure per-request state: after a step where every proposed token was accepted the drafter is
+    doing well, so ask for two more next time (up to `k_max`); after any rejection ask for one
+    fewer (down to 1). A step with nothing proposed (a lookup drafter found no match) says nothing
+    about draft quality, so `k` stays as it is.
+    """
+
+    k: int  # the current draft length; starts at the configured k
+    k_max: int
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.k) or not _is_int(self.k_max) or not 1 <= self.k <= self.k_max:
+            raise InvalidRequestError(
+                f"draft length must satisfy 1 <= k <= k_max, got k={self.k}, k_max={self.k_max}",
+                param="num_speculative_tokens",
+            )
+
+    def next_k(self, source: object = None) -> int:
+        """The draft length for the next step (`source`: see `CostAwareDraftLength`; unused here)."""
+        return self.k
+
+    def update(self, num_proposed: int, num_accepted: int, source: object = None) -> None:
+        if not 0 <= num_accepted <= num_proposed:
+            raise ValueError(
+                f"need 0 <= num_accepted <= num_proposed, got {num_accepted}, {num_proposed}"
+            )
+        if num_proposed == 0:
+            return
+        if num_accepted == num_proposed:
+            self.k = min(self.k + 2, self.k_max)
+        else:
+            self.k = max(1, self.k - 1)
+
+
+@dataclass
+class CostAwareDraftLength:
+    """Per kind of proposal, the draft length with the best expected speedup (Leviathan et al.).
+
+    A verify step over k >= 1 drafts costs about 1 + c0 + c k plain steps (`verify_overhead` = c0,
+    what scoring more than one token costs at all; `verify_cost` = c, the price of each more token;
+    measured defaults per device and quantisation in `DEFAULT_VERIFY_COSTS`), plus d k for drafting
+    them (`draft_cost`, a `DraftCost`: ~0 for lookup, measured for a model drafter), and yields
+    (1 - a^(k+1)) / (1 - a) tokens on average when each draft is accepted with probability a once
+    its predecessors were. So the best k maximises
+
+        (1 - a^(k+1)) / ((1 - a) (1 + c0 + c k + d k))      over k = 1 .. k_max,
+
+    against 1 for k = 0 (no drafting: a plain step), which wins when a is low.
+
+    When greedy verification screens its rows (`Engine` with `screen_verify`), a share f
+    (`screened_share`) of each token's verify price, the output head's, is paid only for the rows
+    up to the first rejection: a + a^2 + ... + a^k of them on average. The verify cost is then
+    1 + c0 + c ((1 - f) k + f (a + ... + a^k)), which makes a long draft of an uncertain kind cheaper.
+
+    The acceptance a is measured per kind of proposal (`Proposal.source`): for the lookup
+    drafters the length of the matched n-gram, since a guess that follows a one-token match is a
+    far weaker one than a guess after a four-token match. Estimate: accepted tokens over accepted
+    tokens + rejections (the maximum-likelihood a of that geometric model; a step that accepted all
+    its drafts shows no rejection), started from a prior of `prior_accepted` / `prior_rejected`
+    pseudo-counts so that a new kind is tried with a short draft. Per-request state: without a
+    measured `draft_cost` it depends only on the verdicts, so a seeded request stays reproducible.
+    """
+
+    k_max: int
+    verify_cost: float
+    verify_overhead: float = 0.0
+    screened_share: float = 0.0
+    prior_accepted: float = 1.5
+    prior_rejected: float = 1.0
+    draft_cost: DraftCost | None = None  # None: drafting is free (lookup)
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.k_max) or self.k_max < 1:
+            raise InvalidRequestError(f"k_max must be an integer >= 1, got {self.k_max!r}",
+                                      param="num_speculative_tokens")
+        if not self.verify_cost > 0:
+            raise InvalidRequestError(f"verify_cost must be > 0, got {self.verify_cost!r}", param="verify_cost")
+        if not self.verify_overhead >= 0:
+            raise InvalidRequestError(f"verify_overhead must be >= 0, got {self.verify_overhead!r}",
+                                      param="verify_overhead")
+        if not 0 <= self.screened_share < 1:
+            raise InvalidRequestError(f"screened_share must be in [0, 1), got {self.screened_share!r}",
+                                      param="screened_share")
+        self._counts: dict[object, list[float]] = {}  # source -> [accepted tokens, rejections]
+
+    def acceptance(self, source: object = None) -> float:
+        accepted, rejected = self._counts.get(source, (0.0, 0.0))
+        return (accepted + self.prior_accepted) / (accepted + rejected + self.prior_accepted + self.prior_rejected)
+
+    def step_cost(self, k: int, source: object = None) -> float:
+        """The modelled price of a verify step over k drafts, in plain steps (drafting excluded)."""
+        if k == 0:
+            return 1.0
+        a, f = self.acceptance(source), self.screened_share
+        reached = sum(a**i for i in range(1, k + 1))
+        return 1 + self.verify_overhead + self.verify_cost * ((1 - f) * k + f * reached)
+
+    def next_k(self, source: object = None) -> int:
+        """The k in 0 .. k_max with the highest expected tokens per unit of step cost."""
+        a, c, f = self.acceptance(source), self.verify_cost, self.screened_share
+        d = 0.0 if self.draft_cost is None else self.draft_cost.per_token(source)
+        best_k, best, expected = 0, 1.0, 1.0  # k = 0: one token for one plain step
+        for k in range(1, self.k_max + 1):
+            expected += a**k  # 1 + a + ... + a^k
+            value = expected / (1 + self.verify_overhead + c * ((1 - f) * k + f * (expected - 1)) + d * k)
+            if value > best:
+                best_k, best = k, value
+        return best_k
+
+    def update(self, num_proposed: int, num_accepted: int, source: object = None) -> None:
+        if not 0 <= num_accepted <= num_proposed:
+            raise ValueError(f"need 0 <= num_accepted <= num_proposed, got {num_accepted}, {num_proposed}")
+        if num_proposed == 0:
+            return
+        counts = self._counts.setdefault(source, [0.0, 0.0])
+        counts[0] += num_accepted
+        counts[1] += num_accepted < num_proposed
+
+
+def row_rule(draft_length: str, k: int, *, model=None, verify_cost: float | None = None,
+             verify_overhead: float | None = None, screened: bool = False, draft_cost: DraftCost | None = None):
+    """A fresh rule for one request: `fixed`, `adaptive` or `cost` (see the module docstring).
+
+    `model` (the target) picks the default step prices; `screened`: greedy verification screens
+    its rows; `draft_cost`: the drafter's price per token (None for lookup drafters).
+    """
+    if draft_length == "adaptive":
+        return AdaptiveDraftLength(k, max(k, 16))
+    if draft_length == "cost":
+        kind = hardware_kind(model)
+        overhead, cost = DEFAULT_VERIFY_COSTS[kind]
+        cost = cost if verify_cost is None else verify_cost
+        overhead = overhead if verify_overhead is None else verify_overhead
+        share = SCREENED_SHARE.get(kind, 0.0) if screened else 0.0
+        return CostAwareDraftLength(k, cost, overhead, share, draft_cost=draft_cost)
+    return FixedDraftLength(k)
+
+
+# -- under load: the batch's caps ---------------------------------------------------------------
+
+
+def budget_ceiling(spec_token_budget: int, running: int) -> int:
+    """The budget rule: the most tokens each of `running` sequences may draft per step, so that a
+    forward scores at most `spec_token_budget` tokens."""
+    return max(0, spec_token_budget // max(1, running) - 1)
+
+
+@dataclass
+class GoodputModel:
+    """Online model of step cost and draft acceptance, to choose k for a batch (see the scheduler).
+
+    Step time t = a + b * x, x = tokens the forward scored, fitted by exponentially weighted least
+    squares (weight `decay` per step, so the fit follows a machine whose load changes).
+    """
+
+    decay: float = 0.97
+    prior_alpha: float = 0.5  # acceptance assumed before evidence, worth `prior_tokens` drafts
+    prior_tokens: float = 4.0
+    min_width_var: float = 0.25  # tokens^2: below this the recent steps say nothing about the slope
+    sw: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    drafted: float = 0.0
+    accepted: float = 0.0
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.sw, self.sx, self.sy = d * self.sw + 1, d * self.sx + tokens, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + tokens * tokens, d * self.sxy + tokens * seconds
+
+    def observe_drafts(self, drafted: int, accepted: int) -> None:
+        """One step's drafted and accepted tokens over all rows (0, 0 for a step without drafts).
+
+        Called every step, so old evidence fades even while nothing is drafted: the estimate then
+        drifts back to the prior, drafting resumes for a while, and a poor early sample cannot
+        switch speculation off for good (explore, then exploit).
+        """
+        self.drafted = self.decay * self.drafted + drafted
+        self.accepted = self.decay * self.accepted + accepted
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b) of t = a + b x, or None while recent steps had (nearly) one width only.
+
+        The slope comes only from steps of different widths; once those have faded from the
+        weights (the variance of recent widths < `min_width_var`), the slope is stale, and None
+        sends the scheduler back to the ceiling for a while, which measures wider steps anew.
+        """
+        if self.sw < 2:
+            return None
+        var = (self.sxx * self.sw - self.sx * self.sx) / (self.sw * self.sw)  # weighted variance of x
+        if var < self.min_width_var:
+            return None
+        b = max(0.0, (self.sxy * self.sw - self.sx * self.sy) / (var * self.sw * self.sw))
+        a = max(1e-6, (self.sy - b * self.sx) / self.sw)
+        return a, b
+
+    @property
+    def alpha(self) -> float:
+        return (self.accepted + self.prior_alpha * self.prior_tokens) / (self.drafted + self.prior_tokens)
+
+    def best_k(self, rows: int, ceiling: int) -> int:
+        """The k in [0, ceiling] with the most expected tokens per second for `rows` sequences."""
+        line, alpha = self.line(), self.alpha
+        if line is None or ceiling == 0:
+            return ceiling
+        a, b = line
+        alpha = min(alpha, 0.999)
+
+        def goodput(k: int) -> float:
+            return rows * (1 - alpha ** (k + 1)) / (1 - alpha) / (a + b * rows * (k + 1))
+
+        return max(range(ceiling + 1), key=goodput)
+
+
+@dataclass
+class LoadCap:
+    """The batch's cap on every row's draft length: the budget rule and, when on, the goodput rule;
+    the smaller wins, and never more than `k_max`."""
+
+    spec_token_budget: int
+    k_max: int
+    goodput: GoodputModel | None = None
+
+    def ceiling(self, running: int) -> int:
+        return budget_ceiling(self.spec_token_budget, running)
+
+    def cap(self, running: int) -> int:
+        ceiling = min(self.ceiling(running), self.k_max)
+        return ceiling if self.goodput is None else self.goodput.best_k(max(1, running), ceiling)

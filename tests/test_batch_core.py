@@ -1,0 +1,252 @@
+"""The one decoding core over a batch of rows: every drafter, alone and batched with others.
+
+Greedy output of every drafter (a draft model made by `train-draft --kind model --steps 0`, an
+EAGLE head, ngram, suffix, their lookup-first combinations, token trees) equals plain decoding,
+alone and in a batch of 8 rows with mixed drafters, prompt lengths and token limits, rows joining
+mid-way; the sampling rule stays exact for model drafters inside a batch of rows with other seeds
+and temperatures (and a broken rule is caught); the server with a draft model serves 16
+concurrent greedy streams, each equal to the same request alone, and refuses a drafter path.
+"""
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+import torch
+
+from specdec import Engine, SamplingParams
+from specdec.drafters import DraftModelDrafter, NgramDrafter, SuffixDrafter, TreeShape
+from specdec.drafters.combined import lookup_first
+from specdec.drafters.eagle import EagleDrafter
+from specdec.models import loader
+from specdec.scheduler import BatchScheduler, Request, RequestHandle, serving_drafters
+from specdec.train import TrainConfig, train_model
+
+conftest = __import__("conftest")
+te = __import__("test_eagle")
+tdm = __import__("test_draft_model")
+ts = __import__("test_server")
+V = conftest.TINY_VOCAB
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TREE = TreeShape(3, 2, 6)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny Gemma 3 target (with a character tokenizer, for the server), its 2-layer cut as a
+    draft model (`train-draft --kind model --steps 0`) and a random EAGLE head."""
+    root = tmp_path_factory.mktemp("pair")
+    folder, _ = conftest.make_tiny_hf(root, "gemma3")
+    ts.make_char_tokenizer(folder)
+    target, _ = loader.load(folder, torch.float32, "cpu")
+    draft_dir = train_model(target, None, root / "draft", TrainConfig(kind="model", steps=0, layers=2, pick="first"),
+                            log=lambda *a: None)
+    draft, _ = loader.load(draft_dir, torch.float32, "cpu")
+    head = te.random_head(target, 60)
+    return dict(folder=folder, target=target, draft_dir=draft_dir, draft=draft, head=head)
+
+
+def drafters(pair) -> dict:
+    """Every drafter kind, by a name, fresh."""
+    draft, head = pair["draft"], pair["head"]
+    return {
+        "draft_model": DraftModelDrafter(draft, V),
+        "eagle": EagleDrafter(head),
+        "ngram": NgramDrafter(),
+        "suffix": SuffixDrafter(),
+        "ngram+eagle": lookup_first(NgramDrafter(), EagleDrafter(head)),
+        "ngram+draft_model": lookup_first(NgramDrafter(), DraftModelDrafter(draft, V)),
+        "ngram-tree": NgramDrafter(),
+        "eagle-tree": EagleDrafter(head),
+    }
+
+
+TREES = {"ngram-tree": TREE, "eagle-tree": TREE}
+
+
+def prompts(n):
+    # Repetitive prompts of mixed lengths, so lookup finds matches and rows draft different amounts.
+    return [torch.randint(3, 30, (3 + i % 5,), generator=torch.Generator().manual_seed(i)).tolist() * (2 + i % 3)
+            for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    engine = Engine(pair["target"], None)
+    cache = {}
+
+    def run(ids, n):
+        key = (tuple(ids), n)
+        if key not in cache:
+            cache[key] = engine.generate(prompt_ids=ids, max_new_tokens=n).token_ids
+        return cache[key]
+
+    return run
+
+
+NAMES = ["draft_model", "eagle", "ngram", "suffix", "ngram+eagle", "ngram+draft_model", "ngram-tree", "eagle-tree"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_drafter_alone_equals_plain(pair, plain, name):
+    drafter = drafters(pair)[name]
+    engine = Engine(pair["target"], None, drafter=drafter, num_speculative_tokens=4, draft_length="fixed",
+                    draft_tree=TREES.get(name))
+    drafted = 0
+    for ids in prompts(3)[1:]:
+        out = engine.generate(prompt_ids=ids, max_new_tokens=20)
+        assert out.token_ids == plain(ids, 20)
+        drafted += out.stats.draft_tokens
+    assert drafted > 0
+
+
+def test_batch_of_mixed_drafters_equals_plain(pair, plain):
+    made = drafters(pair)
+    names = list(made)
+    assert names == NAMES
+    sched = BatchScheduler(pair["target"], None, drafter="ngram", drafters={"none": None, **made}, draft_trees=TREES,
+                           num_speculative_tokens=4, max_batch=8, max_model_len=256, spec_token_budget=64,
+                           adaptive=False)
+    ps = prompts(18)
+    limits = [4 + 3 * (i % 6) for i in range(18)]  # rows stop at different steps
+    cycle = names + ["none"]  # each drafter twice, plain rows among them
+    requests = [Request(p, n, drafter=cycle[i % len(cycle)]) for i, (p, n) in enumerate(zip(ps, limits))]
+    sched.start()
+    first = [sched.submit(r) for r in requests[:8]]  # a full batch
+    deltas = iter(first[0])
+    head = next(deltas)  # ... running: the rest join mid-way, as rows leave
+    rest = [sched.submit(r) for r in requests[8:]]
+    outs = [RequestHandle.collect([head, *deltas])] + [h.result() for h in first[1:] + rest]
+    sched.shutdown()
+    for r, o in zip(requests, outs):
+        assert o.token_ids == plain(r.prompt_ids, r.max_new_tokens), r.drafter
+        # Some rows stop at EOS before their limit, as they do alone.
+        assert o.finish_reason == ("length" if len(o.token_ids) == r.max_new_tokens else "stop")
+        assert o.usage.completion_tokens == len(o.token_ids)
+    assert any(o.finish_reason == "stop" for o in outs) and any(o.finish_reason == "length" for o in outs)
+    c = sched.counters
+    assert c.step_rows / c.steps > 3 and c.spec.accepted_tokens > 0  # rows shared steps and drafts were kept
+    by_drafter = {}
+    for r, o in zip(requests, outs):
+        by_drafter[r.drafter] = by_drafter.get(r.drafter, 0) + o.stats.draft_tokens
+    assert all(by_drafter[name] > 0 for name in names), by_drafter  # every kind really drafted in the batch
+    assert sched.num_running == 0 and int(sched.cache.lengths.sum()) == 0
+
+
+# -- exact sampling inside a batch ----------------------------------------------------------------------
+
+
+def batched_p_value(params, drafter, k=2):
+    """tdm.p_value's chi-square test, with every sample a row of a batch of 8 beside rows of other
+    seeds and temperatures (whose output is not counted)."""
+    target = tdm.small_model(0)
+    sched = BatchScheduler(target, None, drafter="d", drafters={"d": drafter}, num_speculative_tokens=k,
+                           max_batch=8, max_queue=10 * tdm.SAMPLES, max_model_len=16, adaptive=False).start()
+    counted, others = [], []
+    for seed in range(tdm.SAMPLES):
+        sp = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed)
+        counted.append(sched.submit(Request(tdm.PROMPT, tdm.N_NEW, sp)))
+        if seed % 3 == 0:
+            others.append(sched.submit(Request([2, 3, 1][: 1 + seed % 3], 4, SamplingParams(temperature=1.4,
+                                                                                          seed=10**6 + seed))))
+    counts = {}
+    for h in counted:
+        ids = tuple(h.result().token_ids)
+        counts[ids] = counts.get(ids, 0) + 1
+    for h in others:
+        h.result()
+    sched.shutdown()
+    assert sched.counters.step_rows / sched.counters.steps > 4  # the samples really ran batched
+    return tdm.chi_square_p(target, params, counts, strict=not isinstance(drafter, tdm.BrokenDrafter))
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "eagle"])
+def test_sampling_in_a_batch_follows_the_exact_target_distribution(kind):
+    params = SamplingParams(temperature=0.7, top_k=3)
+    drafter = DraftModelDrafter(tdm.small_model(1), tdm.SMALL_V) if kind == "draft_model" else te.small_head()
+    assert batched_p_value(params, drafter) > 1e-3
+
+
+def test_broken_rule_in_a_batch_is_caught():
+    params = SamplingParams(temperature=0.7, top_k=3)
+    assert batched_p_value(params, tdm.BrokenDrafter(tdm.small_model(1), tdm.SMALL_V)) < 1e-6
+
+
+# -- the server with a draft model ---------------------------------------------------------------------
+
+
+def test_server_with_a_draft_model(pair):
+    engine = Engine(pair["target"], loader_tokenizer(pair["folder"]))
+    settings = ts.ServerSettings(model=str(pair["folder"]), served_model_name="tiny", drafter=str(pair["draft_dir"]),
+                                 num_speculative_tokens=3, max_batch=16, max_queue=64, max_model_len=256,
+                                 dtype="float32", speculation_control="budget", spec_token_budget=64)
+    srv = ts.ThreadServer(ts.create_app(settings, load=lambda s: (engine.model, engine.tokenizer))).start()
+    try:
+        texts = [f"{'abcdefgh'[i % 8]}{'xyz'[i % 3]} abc abc {i}" for i in range(16)]
+        refs = [engine.generate(prompt=t, max_new_tokens=12 + i % 5).text for i, t in enumerate(texts)]
+
+        async def all_streams():
+            client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+            async def one(i, t):
+                stream = await client.completions.create(model="tiny", prompt=t, max_tokens=12 + i % 5, temperature=0,
+                                                         stream=True)
+                return "".join([c.choices[0].text async for c in stream if c.choices])
+
+            return await asyncio.gather(*(one(i, t) for i, t in enumerate(texts)))
+
+        assert asyncio.run(all_streams()) == refs
+        assert ts.metric(srv.url, "spec_decode_num_draft_tokens_total") > 0
+        # A request chooses among the drafters loaded at start, by name; a path is refused.
+        body = {"model": "tiny", "prompt": "abc", "max_tokens": 4}
+        ok = httpx.post(srv.url + "/v1/completions", json={**body, "speculative": {"drafter": "ngram+draft_model"}})
+        assert ok.status_code == 200
+        bad = httpx.post(srv.url + "/v1/completions", json={**body, "speculative": {"drafter": str(pair["draft_dir"])}})
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "speculative.drafter" and "loaded at start" in bad.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
+def loader_tokenizer(folder):
+    from specdec.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(folder)
+
+
+def test_serving_drafters_names(pair):
+    made, default = serving_drafters(str(pair["draft_dir"]), pair["target"])
+    assert default == "draft_model"
+    assert set(made) == {"none", "ngram", "suffix", "draft_model", "ngram+draft_model", "suffix+draft_model"}
+    made, default = serving_drafters(f"suffix+{pair['draft_dir']}", pair["target"])
+    assert default == "suffix+draft_model"
+    # Rows get their own drafter state on the one loaded model.
+    a, b = made["draft_model"].spawn(), made["draft_model"].spawn()
+    assert a is not b and a.model is b.model is made["draft_model"].model
+
+
+def test_draft_model_rows_draft_in_one_batched_forward(pair, plain, monkeypatch):
+    from specdec.drafters import draft_model
+
+    widths = []
+    real = draft_model.propose_batch
+
+    def counting(drafters, contexts, ks):
+        widths.append(len(drafters))
+        return real(drafters, contexts, ks)
+
+    monkeypatch.setattr(draft_model, "propose_batch", counting)
+    sched = BatchScheduler(pair["target"], None, drafter="draft_model",
+                           drafters={"draft_model": DraftModelDrafter(pair["draft"], V)}, num_speculative_tokens=3,
+                           max_batch=6, max_model_len=256, spec_token_budget=64, adaptive=False).start()
+    ps = prompts(10)
+    limits = [6 + 2 * (i % 4) for i in range(10)]
+    outs = [h.result() for h in [sched.submit(Request(p, n)) for p, n in zip(ps, limits)]]
+    sched.shutdown()
+    assert [o.token_ids for o in outs] == [plain(p, n) for p, n in zip(ps, limits)]
+    assert max(widths) > 2 and sum(o.stats.accepted_tokens for o in outs) > 0
+    pool = sched.drafters["draft_model"]._pool
+    assert sorted(pool.free) == list(range(6)) and int(pool.cache.lengths.sum()) == 0  # every row handed back
