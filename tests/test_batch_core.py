@@ -228,25 +228,42 @@ def test_serving_drafters_names(pair):
     assert a is not b and a.model is b.model is made["draft_model"].model
 
 
-def test_draft_model_rows_draft_in_one_batched_forward(pair, plain, monkeypatch):
-    from specdec.drafters import draft_model
+@pytest.mark.parametrize("kind", ["draft_model", "eagle"])
+def test_model_drafter_rows_draft_in_one_batched_forward(pair, plain, monkeypatch, kind):
+    from specdec.drafters import draft_model, eagle
 
+    module = draft_model if kind == "draft_model" else eagle
     widths = []
-    real = draft_model.propose_batch
+    real = module.propose_batch
 
     def counting(drafters, contexts, ks):
         widths.append(len(drafters))
         return real(drafters, contexts, ks)
 
-    monkeypatch.setattr(draft_model, "propose_batch", counting)
-    sched = BatchScheduler(pair["target"], None, drafter="draft_model",
-                           drafters={"draft_model": DraftModelDrafter(pair["draft"], V)}, num_speculative_tokens=3,
+    monkeypatch.setattr(module, "propose_batch", counting)
+    # Every row's drafts, in order, to compare with the same request's drafts alone.
+    drafted: dict[tuple, list] = {}
+    real_draft = Engine._draft
+
+    def recording(self, row, plan, made):
+        tree, q, source = real_draft(self, row, plan, made)
+        drafted.setdefault((id(self), tuple(row.prompt)), []).append(tree.tokens)
+        return tree, q, source
+
+    monkeypatch.setattr(Engine, "_draft", recording)
+    alone = Engine(pair["target"], None, drafter=drafters(pair)[kind], num_speculative_tokens=3, draft_length="fixed")
+    loaded = drafters(pair)[kind]
+    sched = BatchScheduler(pair["target"], None, drafter=kind, drafters={kind: loaded}, num_speculative_tokens=3,
                            max_batch=6, max_model_len=256, spec_token_budget=64, adaptive=False).start()
     ps = prompts(10)
     limits = [6 + 2 * (i % 4) for i in range(10)]
     outs = [h.result() for h in [sched.submit(Request(p, n)) for p, n in zip(ps, limits)]]
     sched.shutdown()
     assert [o.token_ids for o in outs] == [plain(p, n) for p, n in zip(ps, limits)]
-    assert max(widths) > 2 and sum(o.stats.accepted_tokens for o in outs) > 0
-    pool = sched.drafters["draft_model"]._pool
+    assert max(widths) > 2  # rows drafted together
+    for p, n in zip(ps, limits):  # ... and drafted what each drafts alone
+        assert alone.generate(prompt_ids=p, max_new_tokens=n).token_ids == plain(p, n)
+        batched = drafted[(id(sched.engine), tuple(p))]
+        assert batched == drafted[(id(alone), tuple(p))] and any(batched)
+    pool = loaded._pool
     assert sorted(pool.free) == list(range(6)) and int(pool.cache.lengths.sum()) == 0  # every row handed back

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from specdec.drafters.base import (FINAL_HIDDEN, DrafterBase, DrafterNeeds, Proposal, check_k, common_prefix_length,
                                    draft_chain)
-from specdec.drafters.draft_model import check_draft_p_min
+from specdec.drafters.draft_model import DraftPool, check_draft_p_min
 from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
 from specdec.models.quant import linear_rows
@@ -304,10 +304,29 @@ class EagleDrafter(DrafterBase):
         self._feats: Tensor | None = None
         self._n_feats = 0
         self._tokens: list[int] = []
+        self._pool: DraftPool | None = None  # shared by the spawned rows of a server (`reserve`)
+        self._slot: int | None = None  # this request's row of the pool's head cache
 
     def spawn(self) -> "EagleDrafter":
-        """Another request's drafter on the same head (its own cache and features)."""
-        return type(self)(self.model, self.draft_p_min)
+        """Another request's drafter on the same head (its own features; its own head cache, or a
+        row of the shared pool's once `reserve` made one)."""
+        twin = type(self)(self.model, self.draft_p_min)
+        twin._pool = self._pool
+        return twin
+
+    def reserve(self, rows: int, length: int) -> None:
+        """Rows spawned from here on share one head cache of `rows` rows x `length` slots, so that
+        the rows of a batch draft in one head pass per draft position (`propose_batch`)."""
+        pool = self._pool
+        if pool is None or pool.cache.batch < rows or pool.cache.capacity < length:
+            attn, weight = self.model.head.block.self_attn, self.model.head.fc.weight
+            self._pool = DraftPool(KVCache(1, rows, attn.kv_heads, attn.head_dim, length, weight.dtype, weight.device))
+
+    def batch_key(self) -> object | None:
+        return self._pool if self._slot is not None else None
+
+    def propose_batch(self, drafters: list["EagleDrafter"], contexts: list[list[int]], ks: list[int]) -> list[Proposal]:
+        return propose_batch(drafters, contexts, ks)
 
     @classmethod
     def load(cls, folder: str | Path, target: Transformer, draft_p_min: float = 0.0) -> "EagleDrafter":
@@ -334,7 +353,13 @@ class EagleDrafter(DrafterBase):
             generator = make_generator(self._sampling.seed, self.device)
         self._generator = generator
         room = len(prompt_ids) + _INITIAL_ROOM
-        self._cache = self.model.new_cache(room)
+        if self._pool is not None:
+            if self._slot is None:
+                self._slot = self._pool.acquire()
+            self._cache = self._pool.cache.rows(self._slot + 1, self._slot)
+            self._cache.truncate(0)
+        else:
+            self._cache = self.model.new_cache(room)
         self._feats = torch.zeros(room, self.model.spec.hidden_size, dtype=self.model.head_rows.dtype,
                                   device=self.device)
         self._n_feats = 0
@@ -505,6 +530,9 @@ class EagleDrafter(DrafterBase):
         pass
 
     def end(self, output_ids: list[int]) -> None:
+        if self._slot is not None:
+            self._pool.release(self._slot)
+            self._slot = None
         self._cache = None
         self._feats = None
         self._n_feats = 0
@@ -514,7 +542,7 @@ class EagleDrafter(DrafterBase):
     def _ensure_room(self, new: int) -> None:
         cache = self._cache
         n = cache.length()
-        if n + new <= cache.capacity:
+        if n + new <= cache.capacity or self._slot is not None:  # a pool row is sized for any request
             return
         grown = self.model.new_cache(max(n + new, 2 * cache.capacity))
         grown.keys[0][:, :, :n] = cache.keys[0][:, :, :n]
@@ -522,6 +550,109 @@ class EagleDrafter(DrafterBase):
         grown.positions[:, :n] = cache.positions[:, :n]
         grown.truncate(n)
         self._cache = grown
+
+
+_BATCHED_CATCH_UP = 4  # head entries a row rebuilds inside a batched pass, at most
+
+
+@torch.inference_mode()
+def propose_batch(drafters: list[EagleDrafter], contexts: list[list[int]], ks: list[int]) -> list[Proposal]:
+    """Each drafter's `propose(context, k)`, for rows of one pool, in one head pass per draft
+    position (plus one to rebuild each row's entries from the target's new features).
+
+    Every row keeps its own features, sampling and generator, and the bookkeeping of `propose`:
+    entries built from predicted features are rolled back afterwards. A pass runs over the pool
+    rows [lo, hi) that hold the batch; rows in that range that are not drafting get padding, and
+    their lengths are put back after.
+    """
+    model = drafters[0].model
+    device = drafters[0].device
+    cache = drafters[0]._pool.cache
+    slots = [d._slot for d in drafters]
+    lo, hi = min(slots), max(slots) + 1
+    view = cache.rows(hi, lo)
+    h = model.spec.hidden_size
+
+    def step(feeds: dict[int, tuple[Tensor, list[int], list[int]]]) -> dict[int, tuple[Tensor, Tensor]]:
+        """feeds: drafter index -> (features [T_i, h], tokens, positions): one head pass at each row's
+        length; per row (predicted feature of its last entry [1, 1, h], its logits [Vd])."""
+        lengths = view.lengths.clone()
+        width = max(len(t) for _, t, _ in feeds.values())
+        feats = torch.zeros(hi - lo, width, h, dtype=model.head_rows.dtype, device=device)
+        tokens = torch.zeros(hi - lo, width, dtype=torch.long, device=device)
+        positions = lengths[:, None] + torch.arange(width, device=device)[None]  # [rows, T]
+        for i, (f, toks, pos) in feeds.items():
+            r, t = slots[i] - lo, len(toks)
+            feats[r, :t] = f
+            tokens[r, :t] = torch.tensor(toks, device=device)
+            positions[r, :t] = torch.tensor(pos, device=device)
+            if t < width:  # padding after the real entries: causally invisible to them
+                positions[r, t:] = pos[-1] + 1 + torch.arange(width - t, device=device)
+        out_feats, logits = model.step(feats, tokens, positions, view)  # [rows, T, h], [rows, T, Vd]
+        view.lengths.copy_(lengths)
+        out = {}
+        for i, (_, toks, _) in feeds.items():
+            r, t = slots[i] - lo, len(toks)
+            view.lengths[r] += t
+            out[i] = (out_feats[r : r + 1, t - 1 : t], logits[r, t - 1])
+        return out
+
+    roots: dict[int, tuple[Tensor, Tensor]] = {}
+    feeds = {}
+    committed = {}
+    for i, (d, context, k) in enumerate(zip(drafters, contexts, ks)):
+        check_k(k)
+        k = ks[i] = min(k, model.target.config.max_position - len(context))
+        if k <= 0:
+            continue
+        n = len(context)
+        valid = common_prefix_length(d._tokens, context)
+        if n - 1 - min(d.cache_length, d._n_feats, valid - 1, n - 2) > _BATCHED_CATCH_UP:
+            root = d._sync(context, k)  # a long rebuild (a new request) on the row's own
+            if root is not None:
+                roots[i] = root
+                committed[i] = d._cache.length()
+            continue
+        # As `_sync`, with the pass itself shared by the rows.
+        if valid < len(d._tokens):
+            d._n_feats = min(d._n_feats, valid)
+        d._tokens = list(context)
+        if n < 2 or d._n_feats < n - 1:
+            continue
+        keep = min(d.cache_length, d._n_feats, valid - 1, n - 2)
+        d._cache.truncate(keep)
+        feeds[i] = (d._feats[keep : n - 1], list(context[keep + 1 :]), list(range(keep + 1, n)))
+        committed[i] = n - 1
+    if feeds:
+        roots.update(step(feeds))
+    tokens: dict[int, list[int]] = {i: [] for i in roots}
+    qs: dict[int, list[Tensor]] = {i: [] for i in roots}
+    state = {i: feat for i, (feat, _) in roots.items()}
+    logits = {i: lg for i, (_, lg) in roots.items()}
+    active = set(roots)
+    while active:
+        feed = {}
+        for i in sorted(active):
+            token, q = drafters[i]._choose(logits[i])
+            if token is None:
+                active.discard(i)
+                continue
+            tokens[i].append(token)
+            if q is not None:
+                qs[i].append(q)
+            if len(tokens[i]) == ks[i]:
+                active.discard(i)  # the last draft is never fed: nothing reads its logits yet
+            else:
+                # Autoregressive over its own features: entry n + j consumes (f^, draft token j).
+                feed[i] = (state[i][0], [token], [len(contexts[i]) + len(tokens[i]) - 1])
+        if feed:
+            for i, (feat, lg) in step(feed).items():
+                state[i], logits[i] = feat, lg
+    for i in committed:
+        # Draft entries were built from predicted features: drop them (see `propose`).
+        drafters[i]._cache.truncate(committed[i])
+    return [Proposal(tokens[i], torch.stack(qs[i]) if qs[i] else None) if i in tokens else Proposal([])
+            for i in range(len(drafters))]
 
 
 def make_eagle_drafter(name: str, target: Transformer, draft_p_min: float | None = None) -> EagleDrafter:
