@@ -725,8 +725,9 @@ at::Tensor int8_columns(at::Tensor x, at::Tensor q, at::Tensor ws, at::Tensor id
 constexpr int64_t kInt4Group = 32;
 constexpr int64_t kInt4GroupBytes = 16 * 20;  // a group of a 16-row block: 256 nibble bytes + 2 x 16 halves
 
-// One row on the int8 grid: v[0..k) = round(x / s), v[k..kp) = 0; X[g] = the group sums. Returns s.
-inline float int4_input_row(const float* row, int64_t k, int64_t kp, int8_t* v, int32_t* sums) {
+// One row on the int8 grid: v[0..k) = round(x / s), v[k..kp) = 0; sums[g] = X_g as float (exact).
+// Returns s.
+inline float int4_input_row(const float* row, int64_t k, int64_t kp, int8_t* v, float* sums) {
   const float s = std::max(row_peak(row, k) / 127.0f, FLT_MIN);
   int64_t i = 0;
 #if defined(__AVX2__)
@@ -743,17 +744,17 @@ inline float int4_input_row(const float* row, int64_t k, int64_t kp, int8_t* v, 
   for (int64_t g = 0; g < kp / kInt4Group; ++g) {
     int32_t total = 0;
     for (int64_t j = 0; j < kInt4Group; ++j) total += v[g * kInt4Group + j];
-    sums[g] = total;
+    sums[g] = static_cast<float>(total);
   }
   return s;
 }
 
 // The rows of x on the int8 grid: n rows of kp inputs (64-byte aligned, read as int32 words of 4),
-// their group sums [n][groups] and scales.
+// their group sums [n][groups] (as float) and scales.
 struct Int4Rows {
   std::vector<int8_t> storage;
   int8_t* v = nullptr;
-  std::vector<int32_t> sums;
+  std::vector<float> sums;
   std::vector<float> s;
 };
 
@@ -786,7 +787,7 @@ inline int int4_weight(const uint8_t* p, int64_t l, int64_t i) {
 // Outputs [col, col + valid) of one input row against block `blk` (its groups' bytes at p), the
 // formula above in scalar code: the definition the vector kernel is held to, and the path of builds
 // without AVX-512 VNNI.
-inline void int4_block_reference(const uint8_t* p, int64_t groups, const int8_t* v, const int32_t* xsum, float s,
+inline void int4_block_reference(const uint8_t* p, int64_t groups, const int8_t* v, const float* xsum, float s,
                                  const float* bias, float* out, int64_t valid) {
   for (int64_t l = 0; l < valid; ++l) {
     float a_total = 0.0f, b_total = 0.0f;
@@ -795,7 +796,7 @@ inline void int4_block_reference(const uint8_t* p, int64_t groups, const int8_t*
       int32_t sum = 0;
       for (int64_t i = 0; i < kInt4Group; ++i) sum += int4_weight(gp, l, i) * v[g * kInt4Group + i];
       a_total = std::fma(half_to_float(gp + 256 + 2 * l), static_cast<float>(sum), a_total);
-      b_total = std::fma(half_to_float(gp + 288 + 2 * l), static_cast<float>(xsum[g]), b_total);
+      b_total = std::fma(half_to_float(gp + 288 + 2 * l), xsum[g], b_total);
     }
     float o = (a_total + b_total) * s;
     if (bias != nullptr) o += bias[l];
@@ -809,7 +810,7 @@ constexpr int64_t kInt4PassRows = 6;  // rows a pass: 3 accumulators each + 8 we
 // out[m, 0..valid) (row stride ldo) for MT rows (grid rows at v, stride kp; group sums at xsum,
 // stride groups) against one 16-row block: the formula above, 16 outputs a register.
 template <int MT>
-inline void int4_tile(const uint8_t* p, int64_t groups, const int8_t* v, int64_t kp, const int32_t* xsum,
+inline void int4_tile(const uint8_t* p, int64_t groups, const int8_t* v, int64_t kp, const float* xsum,
                       const float* s, const float* bias, float* out, int64_t ldo, int64_t valid) {
   const __m512i nibble = _mm512_set1_epi8(15);
   __m512 a_total[MT], b_total[MT];
@@ -833,7 +834,7 @@ inline void int4_tile(const uint8_t* p, int64_t groups, const int8_t* v, int64_t
       }
       const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
       a_total[m] = _mm512_fmadd_ps(a, sum, a_total[m]);
-      b_total[m] = _mm512_fmadd_ps(b, _mm512_set1_ps(static_cast<float>(xsum[m * groups + g])), b_total[m]);
+      b_total[m] = _mm512_fmadd_ps(b, _mm512_set1_ps(xsum[m * groups + g]), b_total[m]);
     }
   }
   const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
@@ -882,7 +883,7 @@ at::Tensor int4_product(at::Tensor x, const at::Tensor& q, const c10::optional<a
         for (int64_t pass = 0; pass < passes; ++pass) {
           const int64_t size = (n - m + (passes - pass) - 1) / (passes - pass);
           const int8_t* vm = rows.v + m * kp;
-          const int32_t* xm = rows.sums.data() + m * groups;
+          const float* xm = rows.sums.data() + m * groups;
           const float* sm = rows.s.data() + m;
           float* o = os + m * n_out + col;
           switch (size) {
