@@ -331,3 +331,38 @@ def test_builds_for_different_cpus_live_in_different_folders(monkeypatch):
     assert cpu_kernels.build_dir() == first  # stable on one machine
     monkeypatch.setattr(cpu_kernels, "cpu_signature", lambda: here.replace("avx2", "").replace("flags=", "flags=x "))
     assert cpu_kernels.build_dir() != first
+
+
+def test_an_avx2_build_computes_the_same_bits_as_this_build(kernels, tmp_path):
+    """The kernels built for AVX2 alone (row-major int8 tables, the scalar int4 path) give the same
+    bits as this machine's build (with AVX-512 VNNI here: packed int8, the vector int4 kernel), so
+    the path of CPUs without VNNI is tested on one that has it. One extra compile (~40 s)."""
+    import torch.nn.functional as F
+    from torch.utils import cpp_extension
+
+    from specdec.models.quant import quantize_int4, quantize_rows
+
+    if "avx2" not in cpu_kernels.cpu_fields().get("flags", "").split():
+        pytest.skip("needs a CPU with AVX2")
+    avx2 = cpp_extension.load(name="specdec_cpu_kernels_avx2", sources=[str(cpu_kernels.SOURCE)],
+                              extra_cflags=["-O3", "-march=haswell", "-ffp-contract=off", "-fopenmp"],
+                              extra_ldflags=["-fopenmp"], build_directory=str(tmp_path), verbose=False)
+    assert not avx2.int8_packed()
+    g = torch.Generator().manual_seed(7)
+    for n, k in [(333, 100), (37, 8970), (64, 2100)]:
+        w = torch.randn(n, k, generator=g) * 0.05
+        bias = torch.randn(n, generator=g)
+        x = torch.randn(11, k, generator=g)
+        x[3] *= 1e3
+        q, a, b = quantize_int4(w)
+        packed = kernels.int4_pack(q, a, b)
+        assert torch.equal(avx2.int4_pack(q, a, b), packed)
+        assert torch.equal(avx2.int4_linear(x, packed, bias, n), kernels.int4_linear(x, packed, bias, n))
+        q8, s8 = quantize_rows(w.clone())
+
+        def stored(build):  # each build's own int8 layout
+            n_pad, k16 = -(-n // build.int8_row_multiple()) * build.int8_row_multiple(), -(-k // 16) * 16
+            table = F.pad(q8, (0, k16 - k, 0, n_pad - n)).contiguous()
+            return (build.int8_pack(table) if build.int8_packed() else table), F.pad(s8, (0, n_pad - n))
+
+        assert torch.equal(avx2.int8_linear(x, *stored(avx2), bias, n), kernels.int8_linear(x, *stored(kernels), bias, n))
