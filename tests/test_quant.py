@@ -82,6 +82,29 @@ def test_int4_quantisation_is_within_half_a_step_and_reads_back():
     assert torch.equal(fused(x), lin(x))
 
 
+def test_int4_takes_the_grid_that_4_bit_weights_already_lie_on():
+    """Weights dequantised from a 4-bit file lie on low + step * j per group, often with fewer than
+    16 levels (j in [0, 11] here, some levels unused): quantize_int4 finds that grid, so (with a
+    float16 step and minimum) the 4-bit layer holds exactly those weights, where (max - min) / 15
+    would round most of them."""
+    if cpu_kernels.load() is None:
+        pytest.skip("int4 needs the compiled CPU kernels")
+    g = torch.Generator().manual_seed(5)
+    rows, groups = 40, 6
+    step = (torch.rand(rows, groups, 1, generator=g) * 0.01 + 0.001).half().float()
+    low = (torch.randn(rows, groups, 1, generator=g) * 0.05).half().float()
+    j = torch.randint(0, 12, (rows, groups, 32), generator=g)
+    j[:, :, 0] = 0  # the minimum is a level
+    j[:, :, 1] = 11
+    j[::2, :, 2:] = j[::2, :, 2:] // 2 * 2  # even rows: only even levels (the nearest one is 2 steps away)
+    w = (j.float() * step + low).view(rows, groups * 32)
+    lin = Int4Linear(w)
+    assert torch.equal(lin.dequantized(), w)
+    _, a, b = lin.parts()
+    assert torch.equal(b.float(), low[..., 0])
+    assert torch.equal(a[1::2].float(), step[1::2, :, 0])
+
+
 def test_fused_projections_compute_the_same(tmp_path):
     folder, _ = __import__("conftest").make_tiny_hf(tmp_path, "qwen2")
     model, _ = loader.load(folder, torch.float32, "cpu")
