@@ -22,11 +22,13 @@ def kernels():
 
 @pytest.mark.skipif(not cpu_int8_available(), reason="needs PyTorch's fbgemm CPU backend")
 @pytest.mark.parametrize("out_features, in_features, bias", [(300, 64, True), (333, 100, False), (64, 520, True),
-                                                            (70000, 640, False), (10, 2100, True)])
+                                                            (70000, 640, False), (10, 2100, True),
+                                                            (37, 8970, False), (48, 4096, True)])
 def test_int8_linear_compiled_paths_equal_pytorch_path(kernels, out_features, in_features, bias):
     # The compiled product (int16 grid, padded shapes: 333 x 100, 64 x 520) and the PyTorch
     # reference (fbgemm's product of the two planes) give the same bits; 70000 x 640
-    # is a head-sized table, 2100 inputs cross the 2048-input block.
+    # is a head-sized table, 2100 inputs cross the 2048-input block, 8970 (an MLP's down projection,
+    # padded) spans five blocks, the last one partial, and 4096 exactly two.
     g = torch.Generator().manual_seed(out_features)
     lin = Int8Linear(torch.randn(out_features, in_features, generator=g) * 0.05,
                      torch.randn(out_features, generator=g) if bias else None)
@@ -54,6 +56,49 @@ def test_int8_linear_compiled_paths_equal_pytorch_path(kernels, out_features, in
         assert torch.equal(lin(long[7:40]), full[7:40])
     torch.testing.assert_close(compiled, x @ lin.int8_weight().float().T * lin.weight_scale + (lin.bias if bias else 0),
                                rtol=0, atol=2e-2 * float(x.abs().max()))  # and it is x @ W.T on the grid
+
+
+@pytest.mark.parametrize("out_features, in_features, bias", [(300, 64, True), (333, 100, False), (40, 2100, True),
+                                                            (37, 8970, False), (4000, 1536, True)])
+def test_int4_linear_vector_path_equals_scalar_path_and_the_formula(kernels, out_features, in_features, bias):
+    # Int4Linear: the vector kernel (AVX-512 VNNI where built) and the scalar one give the same bits,
+    # row by row whatever the block, and both are the documented formula, recomputed here in float64
+    # from the layer's own parts: s = max|x| / 127, x_q = round(x / s), per group of 32 inputs the
+    # integers S = sum q x_q and X = sum x_q, out = s * sum_g (a_g S_g + b_g X_g) (+ bias).
+    # 100 and 8970 inputs end inside a group; 333 and 37 rows inside a block of 16.
+    from specdec.models.quant import Int4Linear
+
+    g = torch.Generator().manual_seed(out_features + in_features)
+    lin = Int4Linear(torch.randn(out_features, in_features, generator=g) * 0.05,
+                     torch.randn(out_features, generator=g) if bias else None)
+    x = torch.randn(9, in_features, generator=g)
+    x[2] = 0.0
+    x[5] *= 1e4
+    with torch.inference_mode():
+        out = lin(x)
+        assert torch.equal(out, lin.forward_rows(x))
+        for i in range(len(x)):
+            assert torch.equal(lin(x[i : i + 1])[0], out[i])
+        long = torch.cat([x, torch.randn(40, in_features, generator=g)])
+        full = lin(long)
+        assert torch.equal(full[:9], out)
+        for n in range(2, 15):  # every pass size (up to 6 rows a pass) and splits of longer blocks
+            assert torch.equal(lin(long[:n]), full[:n]), n
+        assert torch.equal(lin(long[7:30]), full[7:30])
+    q, a, b = lin.parts()
+    s = (x.abs().amax(dim=1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    xq = torch.round(x / s).double()
+    groups = a.shape[1]
+    pad = groups * 32 - in_features
+    wq = F.pad(q.double(), (0, pad)).view(out_features, groups, 32)
+    xg = F.pad(xq, (0, pad)).view(9, groups, 32)
+    sums = torch.einsum("ngi,mgi->mng", wq, xg)  # S_g, exact in float64
+    xsums = xg.sum(-1)  # X_g
+    formula = ((sums * a.double()).sum(-1) + xsums @ b.double().T) * s.double()
+    if bias:
+        formula += lin.bias.double()
+    torch.testing.assert_close(out.double(), formula, rtol=1e-5, atol=1e-5 * float(formula.abs().max()))
+    assert torch.equal(out[2], lin.bias if bias else torch.zeros(out_features))
 
 
 @pytest.mark.skipif(not cpu_int8_available(), reason="needs PyTorch's fbgemm CPU backend")
@@ -286,3 +331,38 @@ def test_builds_for_different_cpus_live_in_different_folders(monkeypatch):
     assert cpu_kernels.build_dir() == first  # stable on one machine
     monkeypatch.setattr(cpu_kernels, "cpu_signature", lambda: here.replace("avx2", "").replace("flags=", "flags=x "))
     assert cpu_kernels.build_dir() != first
+
+
+def test_an_avx2_build_computes_the_same_bits_as_this_build(kernels, tmp_path):
+    """The kernels built for AVX2 alone (row-major int8 tables, the scalar int4 path) give the same
+    bits as this machine's build (with AVX-512 VNNI here: packed int8, the vector int4 kernel), so
+    the path of CPUs without VNNI is tested on one that has it. One extra compile (~40 s)."""
+    import torch.nn.functional as F
+    from torch.utils import cpp_extension
+
+    from specdec.models.quant import quantize_int4, quantize_rows
+
+    if "avx2" not in cpu_kernels.cpu_fields().get("flags", "").split():
+        pytest.skip("needs a CPU with AVX2")
+    avx2 = cpp_extension.load(name="specdec_cpu_kernels_avx2", sources=[str(cpu_kernels.SOURCE)],
+                              extra_cflags=["-O3", "-march=haswell", "-ffp-contract=off", "-fopenmp"],
+                              extra_ldflags=["-fopenmp"], build_directory=str(tmp_path), verbose=False)
+    assert not avx2.int8_packed()
+    g = torch.Generator().manual_seed(7)
+    for n, k in [(333, 100), (37, 8970), (64, 2100)]:
+        w = torch.randn(n, k, generator=g) * 0.05
+        bias = torch.randn(n, generator=g)
+        x = torch.randn(11, k, generator=g)
+        x[3] *= 1e3
+        q, a, b = quantize_int4(w)
+        packed = kernels.int4_pack(q, a, b)
+        assert torch.equal(avx2.int4_pack(q, a, b), packed)
+        assert torch.equal(avx2.int4_linear(x, packed, bias, n), kernels.int4_linear(x, packed, bias, n))
+        q8, s8 = quantize_rows(w.clone())
+
+        def stored(build):  # each build's own int8 layout
+            n_pad, k16 = -(-n // build.int8_row_multiple()) * build.int8_row_multiple(), -(-k // 16) * 16
+            table = F.pad(q8, (0, k16 - k, 0, n_pad - n)).contiguous()
+            return (build.int8_pack(table) if build.int8_packed() else table), F.pad(s8, (0, n_pad - n))
+
+        assert torch.equal(avx2.int8_linear(x, *stored(avx2), bias, n), kernels.int8_linear(x, *stored(kernels), bias, n))

@@ -2,12 +2,14 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specdec import Engine
 from specdec.drafters import NgramDrafter
 from specdec.errors import InvalidRequestError
 from specdec.models import loader
-from specdec.models.quant import Int8Linear, cpu_int8_available, quantize_model
+from specdec.models import cpu_kernels
+from specdec.models.quant import Int4Linear, Int8Linear, cpu_int8_available, quantize_int4, quantize_model
 
 pytestmark = pytest.mark.skipif(not cpu_int8_available(), reason="needs PyTorch's fbgemm CPU backend")
 
@@ -53,6 +55,56 @@ def test_int8_rows_read_back_as_quantised_whatever_the_layout():
     assert torch.equal(embed(ids), q[ids].float() * scale[ids, None])
 
 
+def test_int4_quantisation_is_within_half_a_step_and_reads_back():
+    """quantize_int4: each group's weights on a * q + b within half a step (plus the float16
+    rounding of the offset), q in [0, 15]; the packed table gives back the same parts, and fusing
+    layers equals quantising the fused matrix."""
+    if cpu_kernels.load() is None:
+        pytest.skip("int4 needs the compiled CPU kernels")
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(37, 70, generator=g) * 0.05  # neither size a multiple: padded rows and a partial group
+    w[3, :32] = 0.25  # a constant group: step 0, every q 0, the weight is the offset
+    q, a, b = quantize_int4(w)
+    assert q.shape == (48, 96) and a.shape == b.shape == (48, 3) and int(q.max()) <= 15
+    assert not q[37:].any() and not a[37:].any() and not b[37:].any()
+    lin = Int4Linear(w)
+    got_q, got_a, got_b = lin.parts()
+    assert torch.equal(got_q, q[:37, :70]) and torch.equal(got_a, a[:37]) and torch.equal(got_b, b[:37])
+    deq = lin.dequantized()
+    per_input = lambda t: t[:37].float().repeat_interleave(32, dim=1)[:, :70]  # noqa: E731
+    # Half a step from rounding q; the float16 offset may sit above the minimum by its own rounding.
+    bound = per_input(a) / 2 + per_input(b).abs() * 2**-10 + 1e-6
+    assert ((deq - w).abs() <= bound).all()
+    assert (deq - w).abs().max() > 0  # really 4 bits
+    assert torch.equal(deq[3, :32], torch.full((32,), 0.25).half().float())
+    fused = Int4Linear.concat([Int4Linear(w[:20]), Int4Linear(w[20:])])
+    x = torch.randn(3, 70, generator=g)
+    assert torch.equal(fused(x), lin(x))
+
+
+def test_int4_takes_the_grid_that_4_bit_weights_already_lie_on():
+    """Weights dequantised from a 4-bit file lie on low + step * j per group, often with fewer than
+    16 levels (j in [0, 11] here, some levels unused): quantize_int4 finds that grid, so (with a
+    float16 step and minimum) the 4-bit layer holds exactly those weights, where (max - min) / 15
+    would round most of them."""
+    if cpu_kernels.load() is None:
+        pytest.skip("int4 needs the compiled CPU kernels")
+    g = torch.Generator().manual_seed(5)
+    rows, groups = 40, 6
+    step = (torch.rand(rows, groups, 1, generator=g) * 0.01 + 0.001).half().float()
+    low = (torch.randn(rows, groups, 1, generator=g) * 0.05).half().float()
+    j = torch.randint(0, 12, (rows, groups, 32), generator=g)
+    j[:, :, 0] = 0  # the minimum is a level
+    j[:, :, 1] = 11
+    j[::2, :, 2:] = j[::2, :, 2:] // 2 * 2  # even rows: only even levels (the nearest one is 2 steps away)
+    w = (j.float() * step + low).view(rows, groups * 32)
+    lin = Int4Linear(w)
+    assert torch.equal(lin.dequantized(), w)
+    _, a, b = lin.parts()
+    assert torch.equal(b.float(), low[..., 0])
+    assert torch.equal(a[1::2].float(), step[1::2, :, 0])
+
+
 def test_fused_projections_compute_the_same(tmp_path):
     folder, _ = __import__("conftest").make_tiny_hf(tmp_path, "qwen2")
     model, _ = loader.load(folder, torch.float32, "cpu")
@@ -63,18 +115,26 @@ def test_fused_projections_compute_the_same(tmp_path):
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "llama"])
-def test_int8_model_close_and_speculative_greedy_identical(tmp_path, family):
+@pytest.mark.parametrize("family, mode", [("gemma3", "int8"), ("llama", "int8"), ("gemma3", "int4"), ("llama", "int4")])
+def test_int8_model_close_and_speculative_greedy_identical(tmp_path, family, mode):
+    if mode == "int4" and cpu_kernels.load() is None:
+        pytest.skip("int4 needs the compiled CPU kernels")
     folder, _ = __import__("conftest").make_tiny_hf(tmp_path, family)
     ref, _ = loader.load(folder, torch.float32, "cpu")
     model, _ = loader.load(folder, torch.float32, "cpu")
-    quantize_model(model, "int8")
+    quantize_model(model, mode)
+    if mode == "int4":  # the decoder layers' projections on 4 bits, the head on int8
+        assert isinstance(model.layers[0].mlp.down_proj, Int4Linear)
+        assert type(model.lm_head) is Int8Linear
     ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(2))
     pos = torch.arange(24)[None]
     a, _ = ref(ids, pos, ref.new_cache(1, 32))
     b, _ = model(ids, pos, model.new_cache(1, 32))
     top_agree = (a.argmax(-1) == b.argmax(-1)).float().mean()
-    assert top_agree > 0.9
+    # Random tiny weights have close logits, so 4 bits flip more of the top choices; the logits as
+    # a whole stay close (a wrong product would be far off).
+    assert top_agree > (0.9 if mode == "int8" else 0.6)
+    assert F.cosine_similarity(a.flatten(), b.flatten(), dim=0) > (0.999 if mode == "int8" else 0.95)
     plain = Engine(model, None)
     spec = Engine(model, None, drafter=NgramDrafter(), num_speculative_tokens=5)
     full_head = Engine(model, None, drafter=NgramDrafter(), num_speculative_tokens=5, screen_verify=False)
@@ -99,8 +159,8 @@ def test_int8_model_close_and_speculative_greedy_identical(tmp_path, family):
     assert screened, "the screen never cut a verify pass short"
 
 
-@pytest.mark.parametrize("family", ["gemma3", "llama"])
-def test_int8_verify_rows_are_the_one_token_steps_bit_for_bit(tmp_path, family):
+@pytest.mark.parametrize("family, mode", [("gemma3", "int8"), ("llama", "int8"), ("gemma3", "int4"), ("qwen2", "int4")])
+def test_int8_verify_rows_are_the_one_token_steps_bit_for_bit(tmp_path, family, mode):
     # With the compiled kernels every step of a pass is row by row (int8 products on per-row grids,
     # norms, rotation, attention of a short block), so scoring k + 1 tokens in one pass gives
     # exactly the logits of k + 1 one-token steps: greedy speculation at int8 is then exact, not
@@ -111,7 +171,7 @@ def test_int8_verify_rows_are_the_one_token_steps_bit_for_bit(tmp_path, family):
         pytest.skip("needs the compiled CPU kernels")
     folder, _ = __import__("conftest").make_tiny_hf(tmp_path, family)
     model, _ = loader.load(folder, torch.float32, "cpu")
-    quantize_model(model, "int8")
+    quantize_model(model, mode)
     ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(3))
     prompt, block = ids[:, :22], ids[:, 22:]
     one = model.new_cache(1, 40)

@@ -26,10 +26,11 @@ def _parser() -> argparse.ArgumentParser:
                           "where it finds a match, the learned drafter where it does not)")
     gen.add_argument("--draft-p-min", type=float, default=None,
                      help="draft model: stop drafting below this top probability (0 = off)")
-    gen.add_argument("--quantize", default="none", choices=["none", "int8"],
+    gen.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                      help="int8: int8 weights for every linear and the output head, activations on two "
                           "7-bit planes per row (CPU, fbgemm); changes the target, plain and "
-                          "speculative then share it")
+                          "speculative then share it; int4: the decoder layers' weights on 4 bits in "
+                          "groups of 32 (head int8), 5/8 of int8's bytes")
     gen.add_argument("-k", "--num-speculative-tokens", type=int, default=5,
                      help="draft tokens per step (the most, with --draft-length cost)")
     gen.add_argument("--draft-length", default=None, choices=["fixed", "adaptive", "cost"],

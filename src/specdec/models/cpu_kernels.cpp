@@ -55,7 +55,7 @@ inline at::Tensor empty_with_last(const at::Tensor& x, int64_t n) {
 // and x / s ~= high + low / 126. Rounding is half to even, as torch.round. The AVX2 lanes do the same
 // float operations as the scalar code (the maximum is the same in any order; division, rounding and
 // the products are per element), so every value is the scalar one's.
-inline float grid_scale(const float* row, int64_t k) {
+inline float row_peak(const float* row, int64_t k) {
   float peak = 0.0f;
   int64_t i = 0;
 #if defined(__AVX2__)
@@ -67,8 +67,10 @@ inline float grid_scale(const float* row, int64_t k) {
   for (int j = 0; j < 8; ++j) peak = std::max(peak, lanes[j]);
 #endif
   for (; i < k; ++i) peak = std::max(peak, std::fabs(row[i]));
-  return std::max(peak / kLevels, FLT_MIN);
+  return peak;
 }
+
+inline float grid_scale(const float* row, int64_t k) { return std::max(row_peak(row, k) / kLevels, FLT_MIN); }
 
 inline void grid_one(float x, float s, int& high, int& low) {
   const float y = x / s;
@@ -703,6 +705,272 @@ at::Tensor int8_columns(at::Tensor x, at::Tensor q, at::Tensor ws, at::Tensor id
   return out;
 }
 
+// -- Int4Linear's product (4-bit weights in groups of 32 inputs) ----------------------------------
+//
+// Decoding reads every weight once a step, so a product's time on a CPU is about its bytes: 4-bit
+// weights read ~5/8 of int8's (20 bytes per 32 weights with their two half-precision numbers).
+// Layout (`int4_pack`): blocks of 16 output rows; per block and group g of 32 inputs, 320 bytes:
+// 4 chunks of 64 bytes (chunk u, lane l = row 16b + l, byte t: the low nibble the weight of input
+// 32g + 8u + t, the high nibble that of input 32g + 8u + 4 + t), then the 16 rows' step a and then
+// their offset b as float16: weight = a * q + b with q in [0, 15] (min and step of each group, as
+// llama.cpp's Q4_K sub-blocks have). One 64-byte chunk then gives two vpdpbusd operands (its low and
+// its high nibbles): 4 inputs for 16 outputs each, every output summing in its own lane.
+// The input row goes on one int8 grid: s = max|x| / 127 (at least FLT_MIN), x_i = round(x_i / s).
+// Per row and output, over the groups in order, with S_g = sum q_i x_i and X_g = sum x_i (exact
+// integers, |S_g| <= 32 * 15 * 127: exact in float too):
+//   A = fma(a_g, S_g, A), B = fma(b_g, X_g, B), out = (A + B) * s (+ bias).
+// Every path (`int4_reference`, the AVX-512 VNNI kernel) computes exactly this sequence, so a row's
+// result is the same bits whatever else is in the call and whichever path runs.
+
+constexpr int64_t kInt4Group = 32;
+constexpr int64_t kInt4GroupBytes = 16 * 20;  // a group of a 16-row block: 256 nibble bytes + 2 x 16 halves
+
+// One row on the int8 grid: v[0..k) = round(x / s), v[k..kp) = 0; sums[g] = X_g as float (exact).
+// Returns s.
+inline float int4_input_row(const float* row, int64_t k, int64_t kp, int8_t* v, float* sums) {
+  const float s = std::max(row_peak(row, k) / 127.0f, FLT_MIN);
+  int64_t i = 0;
+#if defined(__AVX2__)
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m256 sv = _mm256_set1_ps(s);
+  for (; i + 8 <= k; i += 8) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + i), sv), kNearest));
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(v + i), _mm_packs_epi16(w, w));
+  }
+#endif
+  for (; i < k; ++i) v[i] = static_cast<int8_t>(std::nearbyint(row[i] / s));
+  std::fill(v + k, v + kp, int8_t{0});
+  for (int64_t g = 0; g < kp / kInt4Group; ++g) {
+    int32_t total = 0;
+    for (int64_t j = 0; j < kInt4Group; ++j) total += v[g * kInt4Group + j];
+    sums[g] = static_cast<float>(total);
+  }
+  return s;
+}
+
+// The rows of x on the int8 grid: n rows of kp inputs (64-byte aligned, read as int32 words of 4),
+// their group sums [n][groups] (as float) and scales.
+struct Int4Rows {
+  std::vector<int8_t> storage;
+  int8_t* v = nullptr;
+  std::vector<float> sums;
+  std::vector<float> s;
+};
+
+inline void int4_input(const at::Tensor& x, int64_t kp, Int4Rows& rows) {
+  const int64_t k = x.size(-1), n = x.numel() / k, groups = kp / kInt4Group;
+  rows.storage.resize(n * kp + 64);
+  rows.v = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(rows.storage.data()) + 63) & ~uintptr_t{63});
+  rows.sums.resize(n * groups);
+  rows.s.resize(n);
+  const float* xs = x.data_ptr<float>();
+  at::parallel_for(0, n, kParallelRows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      rows.s[r] = int4_input_row(xs + r * k, k, kp, rows.v + r * kp, rows.sums.data() + r * groups);
+  });
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// The 4-bit weight of row l (0..15) of a block, input i (0..31) of group g's 320 bytes at p.
+inline int int4_weight(const uint8_t* p, int64_t l, int64_t i) {
+  const int64_t u = i / 8, t = i % 4;
+  const uint8_t byte = p[u * 64 + l * 4 + t];
+  return (i % 8) < 4 ? (byte & 15) : (byte >> 4);
+}
+
+// Outputs [col, col + valid) of one input row against block `blk` (its groups' bytes at p), the
+// formula above in scalar code: the definition the vector kernel is held to, and the path of builds
+// without AVX-512 VNNI.
+inline void int4_block_reference(const uint8_t* p, int64_t groups, const int8_t* v, const float* xsum, float s,
+                                 const float* bias, float* out, int64_t valid) {
+  for (int64_t l = 0; l < valid; ++l) {
+    float a_total = 0.0f, b_total = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* gp = p + g * kInt4GroupBytes;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kInt4Group; ++i) sum += int4_weight(gp, l, i) * v[g * kInt4Group + i];
+      a_total = std::fma(half_to_float(gp + 256 + 2 * l), static_cast<float>(sum), a_total);
+      b_total = std::fma(half_to_float(gp + 288 + 2 * l), xsum[g], b_total);
+    }
+    float o = (a_total + b_total) * s;
+    if (bias != nullptr) o += bias[l];
+    out[l] = o;
+  }
+}
+
+#if defined(SPECDEC_VNNI)
+constexpr int64_t kInt4PassRows = 6;  // rows a pass: 3 accumulators each + 8 weight operands + 2 scales
+
+// out[m, 0..valid) (row stride ldo) for MT rows (grid rows at v, stride kp; group sums at xsum,
+// stride groups) against one 16-row block: the formula above, 16 outputs a register.
+template <int MT>
+inline void int4_tile(const uint8_t* p, int64_t groups, const int8_t* v, int64_t kp, const float* xsum,
+                      const float* s, const float* bias, float* out, int64_t ldo, int64_t valid) {
+  const __m512i nibble = _mm512_set1_epi8(15);
+  __m512 a_total[MT], b_total[MT];
+  for (int m = 0; m < MT; ++m) a_total[m] = b_total[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, p += kInt4GroupBytes) {
+    __m512i w[8];
+    for (int u = 0; u < 4; ++u) {
+      const __m512i chunk = _mm512_loadu_si512(p + 64 * u);
+      w[2 * u] = _mm512_and_si512(chunk, nibble);
+      w[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(chunk, 4), nibble);
+    }
+    const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256)));
+    const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
+    for (int m = 0; m < MT; ++m) {
+      // Words 8g .. 8g + 7 of the row: inputs 32g + 4j .. 32g + 4j + 3 (chunk u: words 2u, 2u + 1).
+      const int32_t* x = reinterpret_cast<const int32_t*>(v + m * kp + g * kInt4Group);
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+      for (int u = 0; u < 4; ++u) {
+        even = _mm512_dpbusd_epi32(even, w[2 * u], _mm512_set1_epi32(x[2 * u]));
+        odd = _mm512_dpbusd_epi32(odd, w[2 * u + 1], _mm512_set1_epi32(x[2 * u + 1]));
+      }
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+      a_total[m] = _mm512_fmadd_ps(a, sum, a_total[m]);
+      b_total[m] = _mm512_fmadd_ps(b, _mm512_set1_ps(xsum[m * groups + g]), b_total[m]);
+    }
+  }
+  const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+  const __m512 shift = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) {
+    __m512 o = _mm512_mul_ps(_mm512_add_ps(a_total[m], b_total[m]), _mm512_set1_ps(s[m]));
+    if (bias != nullptr) o = _mm512_add_ps(o, shift);
+    _mm512_mask_storeu_ps(out + m * ldo, mask, o);
+  }
+}
+#endif
+
+// y = Int4Linear(x), through the vector kernel where built in (`vector`), else the scalar one.
+// x [..., K] float32; q [N16, groups * 20] uint8 in the packed layout (N16 = ceil16(N), groups =
+// ceil32(K) / 32); bias [N] or none; n_out = N. Returns [..., N].
+at::Tensor int4_product(at::Tensor x, const at::Tensor& q, const c10::optional<at::Tensor>& bias, int64_t n_out, bool vector) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "int4_linear: x must be float32");
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous() && q.size(0) % 16 == 0 &&
+                  q.size(1) % 20 == 0, "int4_linear: q must be a packed uint8 table");
+  const int64_t groups = q.size(1) / 20, kp = groups * kInt4Group;
+  TORCH_CHECK(n_out <= q.size(0) && n_out > q.size(0) - 16, "int4_linear: n_out does not match q");
+  x = x.contiguous();
+  const int64_t k = x.size(-1), n = x.numel() / k;
+  TORCH_CHECK(k <= kp && k > kp - kInt4Group, "int4_linear: x and q differ in input size");
+  at::Tensor b;
+  const float* bs = optional_data(bias, b);
+  TORCH_CHECK(bs == nullptr || b.numel() == n_out, "int4_linear: bias must have n_out values");
+  auto out = empty_with_last(x, n_out);
+  if (n == 0) return out;
+  Int4Rows rows;
+  int4_input(x, kp, rows);
+  const uint8_t* qs = q.data_ptr<uint8_t>();
+  float* os = out.data_ptr<float>();
+  const int64_t block_bytes = groups * kInt4GroupBytes;
+  at::parallel_for(0, q.size(0) / 16, 2, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t col = blk * 16, valid = std::min<int64_t>(16, n_out - col);
+      const uint8_t* p = qs + blk * block_bytes;
+      const float* bcol = bs != nullptr ? bs + col : nullptr;
+#if defined(SPECDEC_VNNI)
+      if (vector) {
+        // All rows in passes of near-equal size (9 -> 5 + 4): the block's bytes stay in the core's
+        // caches for the later passes.
+        const int64_t passes = (n + kInt4PassRows - 1) / kInt4PassRows;
+        int64_t m = 0;
+        for (int64_t pass = 0; pass < passes; ++pass) {
+          const int64_t size = (n - m + (passes - pass) - 1) / (passes - pass);
+          const int8_t* vm = rows.v + m * kp;
+          const float* xm = rows.sums.data() + m * groups;
+          const float* sm = rows.s.data() + m;
+          float* o = os + m * n_out + col;
+          switch (size) {
+#define SPECDEC_CASE(S) case S: int4_tile<S>(p, groups, vm, kp, xm, sm, bcol, o, n_out, valid); break;
+            SPECDEC_CASE(6) SPECDEC_CASE(5) SPECDEC_CASE(4) SPECDEC_CASE(3) SPECDEC_CASE(2)
+            default: int4_tile<1>(p, groups, vm, kp, xm, sm, bcol, o, n_out, valid); break;
+#undef SPECDEC_CASE
+          }
+          m += size;
+        }
+        continue;
+      }
+#endif
+      for (int64_t m = 0; m < n; ++m)
+        int4_block_reference(p, groups, rows.v + m * kp, rows.sums.data() + m * groups, rows.s[m], bcol,
+                             os + m * n_out + col, valid);
+    }
+  });
+  return out;
+}
+
+at::Tensor int4_linear(at::Tensor x, at::Tensor q, c10::optional<at::Tensor> bias, int64_t n_out) {
+  return int4_product(std::move(x), q, bias, n_out, true);
+}
+
+// The scalar path whatever the build: what tests hold the vector kernel to, bit for bit.
+at::Tensor int4_reference(at::Tensor x, at::Tensor q, c10::optional<at::Tensor> bias, int64_t n_out) {
+  return int4_product(std::move(x), q, bias, n_out, false);
+}
+
+// The packed layout from row-major parts: q [N16, KP] uint8 values in [0, 15] (KP a multiple of 32,
+// N16 of 16), a and b [N16, KP / 32] float16. Returns [N16, KP / 32 * 20] uint8.
+at::Tensor int4_pack(at::Tensor q, at::Tensor a, at::Tensor b) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2 && q.size(0) % 16 == 0 && q.size(1) % kInt4Group == 0,
+              "int4_pack: q must be uint8 [ceil16(N), ceil32(K)]");
+  const int64_t n16 = q.size(0), groups = q.size(1) / kInt4Group;
+  TORCH_CHECK(a.scalar_type() == at::kHalf && b.scalar_type() == at::kHalf && a.sizes() == b.sizes() &&
+                  a.size(0) == n16 && a.size(1) == groups, "int4_pack: a and b must be float16 [N16, KP / 32]");
+  q = q.contiguous();
+  a = a.contiguous();
+  b = b.contiguous();
+  auto packed = at::empty({n16, groups * 20}, q.options());
+  const uint8_t* qs = q.data_ptr<uint8_t>();
+  const uint8_t* as = reinterpret_cast<const uint8_t*>(a.data_ptr<at::Half>());
+  const uint8_t* bs = reinterpret_cast<const uint8_t*>(b.data_ptr<at::Half>());
+  uint8_t* ps = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, n16 / 16, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk)
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* p = ps + (blk * groups + g) * kInt4GroupBytes;
+        for (int64_t l = 0; l < 16; ++l) {
+          const int64_t r = blk * 16 + l;
+          const uint8_t* w = qs + r * groups * kInt4Group + g * kInt4Group;
+          for (int64_t u = 0; u < 4; ++u)
+            for (int64_t t = 0; t < 4; ++t)
+              p[u * 64 + l * 4 + t] = static_cast<uint8_t>((w[8 * u + t] & 15) | ((w[8 * u + 4 + t] & 15) << 4));
+          std::memcpy(p + 256 + 2 * l, as + 2 * (r * groups + g), 2);
+          std::memcpy(p + 288 + 2 * l, bs + 2 * (r * groups + g), 2);
+        }
+      }
+  });
+  return packed;
+}
+
+// The row-major parts (q, a, b) of a packed table, as `int4_pack` took them.
+std::vector<at::Tensor> int4_unpack(at::Tensor packed) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(0) % 16 == 0 && packed.size(1) % 20 == 0, "int4_unpack: not a packed table");
+  const int64_t n16 = packed.size(0), groups = packed.size(1) / 20;
+  auto q = at::empty({n16, groups * kInt4Group}, packed.options());
+  auto a = at::empty({n16, groups}, packed.options().dtype(at::kHalf));
+  auto b = at::empty({n16, groups}, packed.options().dtype(at::kHalf));
+  const uint8_t* ps = packed.data_ptr<uint8_t>();
+  uint8_t* qs = q.data_ptr<uint8_t>();
+  uint8_t* as = reinterpret_cast<uint8_t*>(a.data_ptr<at::Half>());
+  uint8_t* bs = reinterpret_cast<uint8_t*>(b.data_ptr<at::Half>());
+  for (int64_t r = 0; r < n16; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = ps + ((r / 16) * groups + g) * kInt4GroupBytes;
+      const int64_t l = r % 16;
+      for (int64_t i = 0; i < kInt4Group; ++i) qs[r * groups * kInt4Group + g * kInt4Group + i] = static_cast<uint8_t>(int4_weight(p, l, i));
+      std::memcpy(as + 2 * (r * groups + g), p + 256 + 2 * l, 2);
+      std::memcpy(bs + 2 * (r * groups + g), p + 288 + 2 * l, 2);
+    }
+  return {q, a, b};
+}
+
 // One row of RMSNorm: out = x / sqrt(mean(x^2) + eps) * w, the mean of squares summed in double
 // (on AVX2 in 8 running sums of 4 doubles a 32-element step, added in a fixed order at the end;
 // in double the order changes the sum by ~1e-16 relative, far below what the float result keeps).
@@ -1271,10 +1539,12 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
 // -- one decoder layer of a decode or verify block -----------------------------------------------
 
 // A projection as the model's module computes it: int8 weights (q [N4, KP] with their scales ws)
-// through int8_linear, float ones through at::linear (what F.linear calls).
+// through int8_linear, packed 4-bit ones (uint8, no ws) through int4_linear, float ones through
+// at::linear (what F.linear calls).
 at::Tensor project(const at::Tensor& x, const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& ws,
                    const c10::optional<at::Tensor>& bias, int64_t n_out) {
   if (w->scalar_type() == at::kChar) return int8_linear(x, *w, *ws, bias, n_out);
+  if (w->scalar_type() == at::kByte) return int4_linear(x, *w, bias, n_out);
   return at::linear(x, *w, bias);
 }
 
@@ -1326,6 +1596,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_pack", &int8_pack, "a padded row-major int8 table into the packed layout, in place");
   m.def("int8_rows", &int8_rows, "rows of a packed int8 table, as int8");
 #endif
+  m.def("int4_linear", &int4_linear, "Int4Linear's product: 4-bit weights in groups of 32, int8 input grid");
+  m.def("int4_reference", &int4_reference, "Int4Linear's product by the scalar path, whatever the build");
+  m.def("int4_pack", &int4_pack, "row-major 4-bit values and their float16 steps and offsets into the packed layout");
+  m.def("int4_unpack", &int4_unpack, "a packed 4-bit table back into its row-major parts");
   m.def("rms_norm", &rms_norm, "RMSNorm with per-row-period weights");
   m.def("residual_norm", &residual_norm, "x + norm(y), and the norm of that sum");
   m.def("gated_activation", &gated_activation, "act(gate) * up from a fused gate/up projection");

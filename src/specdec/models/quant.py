@@ -35,6 +35,16 @@ stored in blocks of 16 (cpu_kernels.cpp, `int8_pack`): one instruction then mult
 16 outputs, each output summing in its own lane, and the input goes in as its two planes again. The
 sums are the same integers, so the outputs are the same bits; `stored_rows` reads rows back.
 
+4-bit weights (`quantize="int4"`, `Int4Linear`). Decoding a larger model reads ~1.5 GB of int8
+weights a token (Qwen2.5 1.5B), so its speed is the memory's: 4 bits and two half-precision numbers
+per group of 32 inputs (weight = a * q + b, q in [0, 15], the group's minimum and step, the shape of
+llama.cpp's Q4_K sub-blocks) read 5/8 of int8's bytes. The decoder layers' projections take them;
+the output head and the embedding stay int8 (the head chooses every token; Q4_K_M files keep it at
+6 bits too). Its input goes on one int8 grid per row (s_r = max|x_r| / 127), and the output is a
+fixed sequence of float operations on exact integer group sums (cpu_kernels.cpp, `int4_product`),
+row by row: a row's result never depends on the other rows in the call, so greedy speculative
+decoding stays exact for the 4-bit model. It runs on the compiled kernels only.
+
 Quantisation changes the target model (plain and speculative decoding are then compared with the
 same quantised target, and both are exact with respect to it). The embedding table shares the
 head's int8 values and scales when the two are tied.
@@ -51,7 +61,7 @@ from torch import Tensor, nn
 from . import cpu_kernels
 from .layer import Layer
 
-QUANT_MODES = ("none", "int8")
+QUANT_MODES = ("none", "int8", "int4")
 _LEVELS = 63  # activation grid per plane: integers in [-63, 63] (7-bit, see the module doc)
 _linear_dynamic = torch.ops.quantized.linear_dynamic.default
 _REUSED_ROWS = 64  # input blocks of up to this many rows a plane reuse one buffer (`_input_block`)
@@ -237,6 +247,158 @@ class Int8Linear(Layer):
         return kernels.int8_columns(x, self._q, self._scale4, ids, self.bias, self.out_features)
 
 
+_INT4_GROUP = 32  # inputs sharing one step and offset (`Int4Linear`)
+
+
+def quantize_int4(weight, scratch: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per group of 32 inputs of each row: weight ~= a * q + b, with b the group's minimum and a its
+    step (range / 15, or the grid the weights already lie on: `_int4_steps`), both rounded to
+    float16 first, and q = round((w - b) / a) clamped to [0, 15].
+    Returns (q uint8 [N16, K32], a, b float16 [N16, K32 / 32]), padded to multiples of 16 rows (all
+    zero) and 32 inputs (the padded inputs of the kernels' input rows are 0, so those weights add
+    nothing). `weight`: a tensor or a `loader.StoredTensor`,
+    read a block of rows at a time into `scratch` as in `quantize_rows`; each row stands alone."""
+    n, k = weight.shape
+    n16, k32 = -(-n // 16) * 16, -(-k // _INT4_GROUP) * _INT4_GROUP
+    groups = k32 // _INT4_GROUP
+    q = torch.zeros((n16, k32), dtype=torch.uint8)
+    a = torch.zeros((n16, groups), dtype=torch.float16)
+    b = torch.zeros((n16, groups), dtype=torch.float16)
+    rows = max(1, min(n, _BLOCK_ELEMENTS // k32))
+    if scratch is None or scratch.numel() < rows * k32:
+        scratch = torch.empty(rows * k32, dtype=torch.float32)
+    padded = None if k == k32 else torch.zeros(rows, k32)  # inputs padded to a whole group
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        w = scratch[: (stop - start) * k].view(stop - start, k)
+        if isinstance(weight, Tensor):
+            w.copy_(weight[start:stop])
+        else:
+            weight.read_into(start, w)
+        if padded is not None:  # the last input repeated: the group's range is its real inputs'
+            padded[: stop - start, :k].copy_(w)
+            padded[: stop - start, k:].copy_(w[:, k - 1 :])
+            w = padded[: stop - start]
+        wg = w.view(stop - start, groups, _INT4_GROUP)
+        low = wg.amin(dim=2)
+        b16 = low.half()
+        a16 = _int4_steps(wg, low).half()
+        a32 = a16.float()
+        step = torch.where(a32 > 0, a32, torch.ones_like(a32))
+        values = wg.sub_(b16.float()[:, :, None]).div_(step[:, :, None]).round_().clamp_(0, 15)
+        values.masked_fill_((a32 <= 0)[:, :, None], 0)
+        q[start:stop] = values.view(stop - start, k32).to(torch.uint8)
+        a[start:stop], b[start:stop] = a16, b16
+    return q, a, b
+
+
+def _int4_steps(wg: Tensor, low: Tensor) -> Tensor:
+    """The step of each group of `wg` [rows, groups, 32] (minimum `low` [rows, groups]).
+
+    Weights that come from a 4-bit file (a GGUF's Q4_K blocks, dequantised) already lie on a grid
+    low + step * j, j in [0, 15], whose step is often finer than (max - min) / 15: the file's
+    quantiser picks its step and minimum to fit the weights, not to span 15 steps. Where a group's
+    weights lie on such a grid, its step is taken (the smallest distance above the minimum, or a
+    half or third of it), and the 4-bit values then give back the file's weights up to the float16
+    rounding of step and minimum (measured on Qwen2.5-Coder 1.5B's Q4_K_M file: 0.07% relative
+    error against 4.4% for (max - min) / 15). Other groups take (max - min) / 15.
+    """
+    dist = wg - low[:, :, None]
+    span = dist.amax(dim=2)
+    # distances under a thousandth of the span are the minimum itself (the grid's levels are exact floats)
+    nearest = torch.where(dist > span[:, :, None] * 1e-3, dist, torch.full_like(dist, float("inf"))).amin(dim=2)
+    steps = span / 15
+    found = torch.zeros_like(span, dtype=torch.bool)
+    for parts in (1, 2, 3):
+        step = nearest / parts
+        levels = dist / step[:, :, None]
+        fits = (levels.amax(dim=2) <= 15.01) & ((levels - levels.round()).abs().amax(dim=2) <= 0.01)
+        fits &= torch.isfinite(step) & ~found
+        steps = torch.where(fits, step, steps)
+        found |= fits
+    return steps
+
+
+class Int4Linear(Int8Linear):
+    """y = x @ W.T (+ b) with W on 4 bits in groups of 32 inputs (module doc; cpu_kernels.cpp,
+    `int4_product`). It keeps Int8Linear's contract with the compiled decoder layer (`_q`, `_scale4`,
+    `bias`, `out_features`): `_q` is the packed uint8 table, which the kernels tell from int8 rows by
+    its dtype. Needs the compiled kernels."""
+
+    def __init__(self, weight, bias: Tensor | None = None):  # weight: [N, K] (see `quantize_int4`)
+        nn.Module.__init__(self)
+        self._setup_int4(*quantize_int4(weight), weight.shape, bias)
+
+    @classmethod
+    def from_parts(cls, q: Tensor, a: Tensor, b: Tensor, shape: tuple[int, int], bias: Tensor | None = None) -> "Int4Linear":
+        """The layer with the padded parts of `quantize_int4` as they are; `shape` = (N, K)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._setup_int4(q, a, b, shape, bias)
+        return layer
+
+    @classmethod
+    def concat(cls, parts: list["Int4Linear"]) -> "Int4Linear":
+        """One layer whose output is the parts' outputs side by side: the same rows (quantised row
+        by row, so the same as quantising the fused float matrix)."""
+        kernels = cpu_kernels.load()
+        unpacked = [kernels.int4_unpack(p._q) for p in parts]
+        q = torch.cat([u[0][: p.out_features] for u, p in zip(unpacked, parts)])
+        a = torch.cat([u[1][: p.out_features] for u, p in zip(unpacked, parts)])
+        b = torch.cat([u[2][: p.out_features] for u, p in zip(unpacked, parts)])
+        n = q.shape[0]
+        pad = -(-n // 16) * 16 - n
+        q, a, b = F.pad(q, (0, 0, 0, pad)), F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, 0, 0, pad))
+        bias = None if parts[0].bias is None else torch.cat([p.bias.data for p in parts])
+        return cls.from_parts(q, a, b, (n, parts[0].in_features), bias)
+
+    def _setup_int4(self, q: Tensor, a: Tensor, b: Tensor, shape: tuple[int, int], bias: Tensor | None) -> None:
+        kernels = cpu_kernels.load()
+        if kernels is None:
+            raise RuntimeError("int4 linears need the compiled CPU kernels (cpu_kernels.py)")
+        self.out_features, self.in_features = shape
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self._q = kernels.int4_pack(q, a, b)
+        self._scale4 = None  # the steps and offsets live in `_q`
+        self._row_blocks = True
+        self._packed = None
+
+    def parts(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(q uint8 [N, K], a, b float16 [N, groups]): the 4-bit values, steps and offsets."""
+        q, a, b = cpu_kernels.load().int4_unpack(self._q)
+        n, k = self.out_features, self.in_features
+        return q[:n, :k], a[:n], b[:n]
+
+    def dequantized(self) -> Tensor:
+        """The weights the layer multiplies by, float32 [N, K]."""
+        q, a, b = self.parts()
+        n, k = q.shape
+        groups = a.shape[1]
+        full = F.pad(q, (0, groups * _INT4_GROUP - k)).view(n, groups, _INT4_GROUP).float()
+        return (full * a.float()[:, :, None] + b.float()[:, :, None]).view(n, -1)[:, :k]
+
+    def int8_weight(self) -> Tensor:
+        raise TypeError("an Int4Linear has no int8 weights (see `dequantized`)")
+
+    def int8_rows(self, ids: Tensor) -> Tensor:
+        raise TypeError("an Int4Linear has no int8 weights (see `dequantized`)")
+
+    def as_embedding(self):
+        raise TypeError("an Int4Linear is not an embedding table")
+
+    def forward(self, x: Tensor) -> Tensor:  # x: [..., in_features]
+        kernels = cpu_kernels.load()
+        out = kernels.int4_linear(x.float().contiguous(), self._q, self.bias, self.out_features)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def forward_rows(self, rows: Tensor) -> Tensor:  # rows: [n, in] float32 -> [n, out]
+        """The scalar path of the kernels (`int4_reference`), which the vector one equals bit for bit."""
+        return cpu_kernels.load().int4_reference(rows.float().contiguous(), self._q, self.bias, self.out_features)
+
+    def forward_columns(self, x: Tensor, ids: Tensor) -> None:
+        return None  # chosen columns alone are not offered: callers take the full product
+
+
 def _pack_unit_scales(q: Tensor):
     """fbgemm's packed int8 weights [N, K] with every channel's scale 1 (the sums stay integers)."""
     ones = torch.ones(q.shape[0], dtype=torch.double)
@@ -258,7 +420,9 @@ def stored_rows(q: Tensor, row_blocks: bool, ids: Tensor, k: int) -> Tensor:
 
 
 def linear_rows(linear: nn.Module, ids: Tensor) -> Tensor:
-    """Rows `ids` of a linear layer's weight [len(ids), in], float or int8 (then dequantised)."""
+    """Rows `ids` of a linear layer's weight [len(ids), in], float, int8 or int4 (then dequantised)."""
+    if isinstance(linear, Int4Linear):
+        return linear.dequantized()[ids]
     if isinstance(linear, Int8Linear):
         return linear.int8_rows(ids).float() * linear.weight_scale[ids, None]
     return linear.weight.detach()[ids]
@@ -290,7 +454,9 @@ def cpu_int8_available() -> bool:
 
 
 def quantize_model(model: nn.Module, mode: str, weights: dict | None = None) -> nn.Module:
-    """Replace every nn.Linear of `model` (and its embedding) by its int8 version, in place.
+    """Replace every nn.Linear of `model` (and its embedding) by its int8 version, in place; with
+    `mode="int4"` the linears of the decoder layers by their 4-bit version (the head and the
+    embedding stay int8).
 
     The float weights come from the model itself, or from `weights` (name -> tensor or
     `loader.StoredTensor`) for a model built on the meta device: then each is read a block of rows
@@ -298,7 +464,7 @@ def quantize_model(model: nn.Module, mode: str, weights: dict | None = None) -> 
     """
     if mode == "none":
         return model
-    if mode != "int8":
+    if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantisation {mode!r}")
     tied = model.config.tie_embeddings
     scratch = torch.empty(_BLOCK_ELEMENTS)  # one buffer for every layer's blocks (`quantize_rows`)
@@ -315,7 +481,11 @@ def quantize_model(model: nn.Module, mode: str, weights: dict | None = None) -> 
             bias = source(child, prefix, "bias")
             if bias is not None and not isinstance(bias, Tensor):
                 bias = bias.load()
-            layer = Int8Linear.from_int8(*quantize_rows(source(child, prefix, "weight"), scratch), bias)
+            weight = source(child, prefix, "weight")
+            if mode == "int4" and prefix != "lm_head":
+                layer = Int4Linear.from_parts(*quantize_int4(weight, scratch), tuple(weight.shape), bias)
+            else:
+                layer = Int8Linear.from_int8(*quantize_rows(weight, scratch), bias)
             parent, _, name = prefix.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, name, layer)
     embed = source(model.embed_tokens, "embed_tokens", "weight")
