@@ -155,3 +155,25 @@ def test_cli_rejects_bad_replica_bounds_in_one_line():
         assert proc.returncode == 2 and expect in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
         assert time.time() - start < 60
+
+
+def test_replica_bounds_become_ray_serve_options():
+    from specdec.server.ray_app import build, deployment_options
+
+    settings = ServerSettings(max_batch=8, max_queue=4)
+    fixed = deployment_options(3, settings=settings)
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["max_ongoing_requests"] == 12  # a replica's batch + queue; Ray's router holds the rest
+    scaled = deployment_options(2, min_replicas=1, max_replicas=4, target_ongoing_requests=6, settings=settings)
+    assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 2,
+                                            "target_ongoing_requests": 6}
+    assert deployment_options(2, min_replicas=0, max_replicas=2, settings=settings)[
+        "autoscaling_config"]["target_ongoing_requests"] == 8  # default: a full batch
+    with pytest.raises(ValueError):
+        deployment_options(2, min_replicas=3, settings=settings)
+    sticky = deployment_options(2, session_affinity=True, settings=settings)
+    assert sticky["request_router_config"].request_router_class.endswith("ConsistentHashRouter")
+    # `serve run specdec.server.ray_app:build name=value ...` parses `specdec serve`'s options.
+    app = build({"replicas": "2", "drafter": "suffix", "session-affinity": "true", "max-batch": "4"})
+    assert app._bound_deployment._deployment_config.num_replicas == 2
+    assert build({"session-affinity": "false"})._bound_deployment._deployment_config.num_replicas == 1

@@ -43,11 +43,12 @@ from .app import ServerSettings, create_app, load_model
 
 PUSH_S = 2.0  # how often a replica pushes its metrics text to the hub
 STALE_S = 30.0  # a replica that has not pushed for this long (dead or replaced) drops out of /metrics
+STARTUP_S = 120.0  # the longest the first health check waits for the scheduler to be built
 APP_NAME = "specdec"
 log = logging.getLogger("specdec.server.ray")
 
 
-@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, logging_config={"enable_access_log": False})
 class SpecdecMetricsHub:
     """The latest /metrics text of every replica; renders them as one exposition labelled by replica."""
 
@@ -94,7 +95,8 @@ def merge_metrics(texts: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1}, graceful_shutdown_timeout_s=60)
+@serve.deployment(ray_actor_options={"num_cpus": 1}, graceful_shutdown_timeout_s=60,
+                  health_check_timeout_s=STARTUP_S + 10)
 @serve.ingress()
 class SpecdecServer:
     """One replica: the model loaded in the constructor, then `create_app` serving it."""
@@ -107,6 +109,7 @@ class SpecdecServer:
         import ray
 
         self._info = (f'specdec:replica_info{{model_name="{settings.served_model_name}",'
+                      f'node_id="{ray.get_runtime_context().get_node_id()}",'
                       f'node_ip="{ray.util.get_node_ip_address()}",pid="{os.getpid()}"}} 1')
         # Loaded here, not in the app's background thread: Ray routes nothing to a replica before
         # its constructor returns, so no client sees "the model is still loading".
@@ -149,12 +152,18 @@ class SpecdecServer:
         """Ray's periodic health check: the replica's own GET /health, and a live scheduler thread."""
         import httpx
 
+        state = self.app.state.specdec
+        # The first check comes right after the app's startup, while its thread still builds the
+        # scheduler around the loaded model (seconds): wait for that rather than fail.
+        deadline = time.monotonic() + STARTUP_S
+        while state.scheduler is None and state.load_error is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
         transport = httpx.ASGITransport(app=self.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://replica") as http:
             res = await http.get("/health")
         if res.status_code != 200:
             raise RuntimeError(f"GET /health answered {res.status_code}: {res.text}")
-        scheduler = self.app.state.specdec.scheduler
+        scheduler = state.scheduler
         thread = getattr(scheduler, "_thread", None)
         if thread is not None and not thread.is_alive():
             raise RuntimeError("the scheduler thread has stopped")
@@ -162,7 +171,8 @@ class SpecdecServer:
 
 def deployment_options(replicas: int, min_replicas: int | None = None, max_replicas: int | None = None,
                        target_ongoing_requests: float | None = None, session_affinity: bool = False,
-                       replica_cpus: float = 1.0, settings: ServerSettings | None = None) -> dict:
+                       replica_cpus: float = 1.0, settings: ServerSettings | None = None,
+                       log_level: str = "INFO") -> dict:
     """`SpecdecServer.options(...)` for these bounds; autoscaling when min < max."""
     settings = settings or ServerSettings()
     lo = replicas if min_replicas is None else min_replicas
@@ -175,7 +185,8 @@ def deployment_options(replicas: int, min_replicas: int | None = None, max_repli
         actor["num_gpus"] = 1
     # A replica takes what its batch and queue hold (past that it would answer 429); Ray's router
     # holds the rest and sends each to whichever replica frees up.
-    options = dict(ray_actor_options=actor, max_ongoing_requests=settings.max_batch + settings.max_queue)
+    options = dict(ray_actor_options=actor, max_ongoing_requests=settings.max_batch + settings.max_queue,
+                   logging_config={"log_level": "DEBUG" if log_level.lower() == "trace" else log_level.upper()})
     if lo == hi:
         options["num_replicas"] = replicas
     else:
@@ -192,10 +203,10 @@ def deployment_options(replicas: int, min_replicas: int | None = None, max_repli
 
 def application(settings: ServerSettings, replicas: int = 1, min_replicas: int | None = None,
                 max_replicas: int | None = None, target_ongoing_requests: float | None = None,
-                session_affinity: bool = False, replica_cpus: float = 1.0):
+                session_affinity: bool = False, replica_cpus: float = 1.0, log_level: str = "INFO"):
     """The Ray Serve application: the replicas of `settings`, and the metrics hub they push to."""
     options = deployment_options(replicas, min_replicas, max_replicas, target_ongoing_requests, session_affinity,
-                                 replica_cpus, settings)
+                                 replica_cpus, settings, log_level)
     return SpecdecServer.options(**options).bind(settings, SpecdecMetricsHub.bind())
 
 
@@ -210,9 +221,12 @@ def build(args: dict[str, str]):
     add_arguments(parser)
     argv: list[str] = [] if "replicas" in args else ["--replicas", "1"]
     for key, value in args.items():
+        value = str(value)
+        if value.lower() == "false":  # a flag left off
+            continue
         argv.append("--" + key.replace("_", "-"))
-        if str(value).lower() not in ("true", ""):  # flags: name=true
-            argv.append(str(value))
+        if value.lower() not in ("true", ""):  # a flag: name=true
+            argv.append(value)
     ns = parser.parse_args(argv)
     return application(settings_from_args(ns), **replica_arguments(ns))
 
@@ -220,7 +234,7 @@ def build(args: dict[str, str]):
 def replica_arguments(ns) -> dict:
     return dict(replicas=ns.replicas or 1, min_replicas=ns.min_replicas, max_replicas=ns.max_replicas,
                 target_ongoing_requests=ns.target_ongoing_requests, session_affinity=ns.session_affinity,
-                replica_cpus=ns.replica_cpus)
+                replica_cpus=ns.replica_cpus, log_level=ns.log_level)
 
 
 app = application(ServerSettings(served_model_name="gemma-3-270m"))
