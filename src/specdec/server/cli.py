@@ -7,6 +7,7 @@ path that cannot be a model, a port that is taken, or a model that fails to load
 from __future__ import annotations
 
 import errno
+import os
 import signal
 import socket
 import sys
@@ -44,6 +45,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--quantize", default="none", choices=["none", "int8"])
     parser.add_argument("--log-level", default="warning", help="uvicorn log level")
+    ray = parser.add_argument_group("replicas under Ray Serve (pip install 'specdec[ray]')")
+    ray.add_argument("--replicas", type=int, default=0,
+                     help="run N copies of the server under Ray Serve behind one endpoint (0: one process, no Ray)")
+    ray.add_argument("--min-replicas", type=int, default=None,
+                     help="autoscaling lower bound (default: --replicas; below --max-replicas turns autoscaling on)")
+    ray.add_argument("--max-replicas", type=int, default=None, help="autoscaling upper bound (default: --replicas)")
+    ray.add_argument("--target-ongoing-requests", type=float, default=None,
+                     help="autoscaling target of requests in flight per replica (default: --max-batch)")
+    ray.add_argument("--session-affinity", action="store_true",
+                     help="route requests with the same X-Session-Id header to the same replica (its suffix cache "
+                          "has seen the conversation)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica")
+    ray.add_argument("--ray-address", default=None,
+                     help="join this Ray cluster (e.g. auto, or HEAD_IP:6379) instead of starting a local one")
+    ray.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
+    ray.add_argument("--proxy-location", default="HeadOnly", choices=["HeadOnly", "EveryNode"],
+                     help="Ray's HTTP proxy on the head node only (one endpoint) or on every node")
 
 
 def settings_from_args(args):
@@ -54,6 +72,21 @@ def settings_from_args(args):
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 1", name)
     if args.max_queue < 0:
         raise InvalidRequestError("--max-queue must be >= 0", "max_queue")
+    replica_flags = ("min_replicas", "max_replicas", "target_ongoing_requests", "ray_address", "ray_num_cpus")
+    if args.replicas < 0:
+        raise InvalidRequestError("--replicas must be >= 0", "replicas")
+    if args.replicas == 0 and (args.session_affinity or any(getattr(args, f) is not None for f in replica_flags)):
+        raise InvalidRequestError("--min-replicas, --max-replicas, --target-ongoing-requests, --session-affinity "
+                                  "and --ray-* need --replicas N (Ray Serve)", "replicas")
+    lo = args.replicas if args.min_replicas is None else args.min_replicas
+    hi = args.replicas if args.max_replicas is None else args.max_replicas
+    if args.replicas and not 0 <= lo <= args.replicas <= hi:
+        raise InvalidRequestError(f"need 0 <= --min-replicas ({lo}) <= --replicas ({args.replicas}) <= "
+                                  f"--max-replicas ({hi})", "replicas")
+    if args.target_ongoing_requests is not None and not args.target_ongoing_requests > 0:
+        raise InvalidRequestError("--target-ongoing-requests must be > 0", "target_ongoing_requests")
+    if args.replica_cpus < 0:
+        raise InvalidRequestError("--replica-cpus must be >= 0", "replica_cpus")
     name = args.served_model_name
     if name is None:
         name = "gemma-3-270m" if args.model == "default" else Path(args.model).name.removesuffix(".gguf")
@@ -107,6 +140,16 @@ def run(args) -> int:
     if settings.model != "default":
         check_path(settings.model)
     draft_model_path(settings.drafter)  # an unknown drafter or a missing path fails here
+    if args.replicas:
+        if args.ray_address is None:
+            # The local Ray started for this server stays on this machine's loopback; Ray otherwise
+            # turns 127.0.0.1 into the machine's address (read when ray is imported).
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        try:
+            from . import ray_app
+        except ImportError as exc:
+            raise SpecdecError(f"--replicas needs Ray Serve: pip install 'specdec[ray]' ({exc})") from None
+        return ray_app.run(args, settings)
     sock = bind(args.host, args.port)
     load_errors: list[str] = []
 
