@@ -163,3 +163,18 @@ def test_settings_are_checked(tiny):
     for bad in (dict(prefill_chunk=-1), dict(prefix_cache_tokens=-5), dict(prefill_chunk=2.5)):
         with pytest.raises(InvalidRequestError):
             BatchScheduler(target, None, max_model_len=64, **bad)
+
+
+def test_serve_flags():
+    import argparse
+
+    from specdec.errors import InvalidRequestError
+    from specdec.server.cli import add_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    settings = settings_from_args(parser.parse_args(["--prefill-chunk", "64", "--prefix-cache-tokens", "0"]))
+    assert settings.prefill_chunk == 64 and settings.prefix_cache_tokens == 0
+    for flag in ("--prefill-chunk", "--prefix-cache-tokens"):
+        with pytest.raises(InvalidRequestError, match=flag):
+            settings_from_args(parser.parse_args([flag, "-1"]))

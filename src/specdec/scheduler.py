@@ -105,6 +105,7 @@ from .tokenizer import Tokenizer
 
 LOOKUP_DRAFTERS = ("none", "ngram", "suffix")
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens prefilled per step while rows run (0: whole prompts)
+DEFAULT_PREFIX_CACHE_TOKENS = 16384  # the server's prefix store, in cached tokens (0: off)
 
 
 def serving_drafters(name: str = "none", target: Transformer | None = None, tokenizer: Tokenizer | None = None,
