@@ -324,6 +324,8 @@ class Row:
     steps: list[Step] | None  # per-step record (`Generation.steps`), or None
     started: float = 0.0
     begun: bool = False  # prefilled: the drafter has had `begin`
+    # A learned drafter's row: the prompt's final hidden states from the prefill's chunks so far.
+    prompt_hidden: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def context(self) -> list[int]:
@@ -588,20 +590,38 @@ class Engine:
     # -- the core: prefill and step -----------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, row: Row, cache: KVCache) -> Emitted:
-        """Score the row's prompt into `cache` (a one-row cache or view, empty) and emit the
-        first token; the drafter begins."""
+    def prefill(self, row: Row, cache: KVCache, upto: int | None = None) -> Emitted | None:
+        """Score the row's prompt into `cache` (a one-row cache or view) from where that row's
+        length stands up to token `upto` (default: the whole prompt); once the whole prompt is in,
+        emit the first token and begin the drafter.
+
+        The row may already hold a prefix of the prompt: the earlier chunks of a chunked prefill,
+        or keys and values copied from a prefix cache (`KVCache.import_row`). Slots carry their
+        positions, so each part is scored at its own positions, exactly as in one forward. Returns
+        None while the prompt is not all in (a chunk scores no output head).
+        """
         row.started = row.started or time.perf_counter()
         ids = row.prompt
+        start = cache.length()
+        end = len(ids) if upto is None else min(upto, len(ids))
+        if not start < end:
+            raise ValueError(f"nothing to prefill: the row holds {start} of {len(ids)} prompt tokens, upto={upto}")
         drafter = row.drafter
         # Learned drafters (EAGLE-style) read the target's own features: they get the final hidden
-        # state of every token the target's cache now holds, in order (`observe`). Without one, the
-        # prefill's last layer runs for the last token only (`Transformer.forward`).
+        # state of every token the target's cache now holds, in order (`observe`), collected over
+        # the chunks. Without one, the prefill's last layer runs for the last token only
+        # (`Transformer.forward`).
         observes = drafter is not None and drafter.needs.observes is not None
-        tokens = torch.tensor([ids], device=self.device)  # [1, P]
-        positions = torch.arange(len(ids), device=self.device)[None]  # [1, P]
-        logits, hidden = self.model(tokens, positions, cache, last_n=1, need_hidden=observes)  # [1, 1, vocab]
+        tokens = torch.tensor([ids[start:end]], device=self.device)  # [1, end - start]
+        positions = torch.arange(start, end, device=self.device)[None]  # [1, end - start]
+        final = end == len(ids)
+        logits, hidden = self.model(tokens, positions, cache, last_n=1 if final else 0,
+                                    need_hidden=observes)  # logits: [1, 1, vocab] when final
         row.stats.target_forwards += 1
+        if observes:
+            row.prompt_hidden.append(hidden[0])  # [end - start, hidden]
+        if not final:
+            return None
         first = self._pick(logits[0], row.sampling, row.generator)
         row.stats.prefill_s = time.perf_counter() - row.started
         if row.steps is not None:
@@ -610,7 +630,12 @@ class Engine:
             drafter.begin(list(ids), row.sampling, row.generator)
             row.begun = True
             if observes:
-                drafter.observe(hidden[0])  # [prompt_len, hidden]
+                seen = torch.cat(row.prompt_hidden)  # [prompt_len, hidden]
+                row.prompt_hidden = []
+                if seen.shape[0] != len(ids):
+                    raise ValueError(f"{drafter.name} needs the hidden state of every prompt token: its row "
+                                     "cannot start from a copied prefix")
+                drafter.observe(seen)
         text = row.out.push(first)
         return Emitted([first], text, logits[0] if row.keep_logits else None)
 

@@ -5,8 +5,11 @@ one core (`Engine.prefill`, `Engine.step`), the same that `Engine.generate` runs
 The loop (one background thread, `BatchScheduler._run`) repeats:
 
 1. take cancellations and admit waiting requests into free batch rows (up to `max_batch`);
-2. prefill each newly admitted request on its own row (`Engine.prefill`: one forward per new
-   prompt) and stream its first token;
+2. prefill admitted prompts, one at a time, each in the cache row after the running ones
+   (`Engine.prefill`): while rows are running, at most `prefill_chunk` prompt tokens per loop
+   iteration (chunked prefill), so a long prompt that arrives delays the running streams by one
+   chunk's forward per step rather than by its whole prefill; with nothing running, whole prompts.
+   A prompt whose last chunk is in streams its first token and joins the running rows;
 3. one `Engine.step` for every running row together: each row drafts with its own drafter (a
    `spawn()` of one loaded at start) and k, the blocks `[last token] + draft_r` of every row go
    through ONE target forward of shape `[rows, T]` with `T = max_r (1 + len(draft_r))`, each row
@@ -19,6 +22,15 @@ end to T. `Transformer.forward` writes row r's T tokens at slots `[len_r, len_r 
 it, never the padding after it, so its logits are exactly those of the unpadded block. The
 rollback `truncate(len_r + 1 + accepted_r, row=r)` (`compact` for a tree's path) then drops the
 padding with the rejected drafts.
+
+Prefix caching (`prefix_cache_tokens` > 0, see `prefix_cache.py`). A sequence that leaves the
+batch finished leaves its committed tokens and a copy of their cache slots in a store bounded by
+that many cached tokens (least recently used evicted first); a new prompt starts from the longest
+stored prefix of it, copied into its row (`KVCache.import_row`), and its prefill scores the rest.
+Slots keep their positions and no layer drops old slots, so the copy is the state that scoring
+the prefix would have left, sliding-window layers included. Rows of a learned drafter that reads
+the target's hidden states (EAGLE) score their whole prompt: a copy brings no hidden states. A
+draft model's own cache catches up with its row's context by its prefix rule, as always.
 
 Drafters. The server loads every drafter a request may name at start (`serving_drafters`: none,
 ngram, suffix, and a draft model or an EAGLE head with its lookup-first combinations); a request
@@ -87,10 +99,13 @@ from .engine import Emitted, Engine, Row, Stats
 from .errors import InvalidRequestError, SpecdecError
 from .models.transformer import Transformer
 from .policy import GoodputModel, LoadCap
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
 LOOKUP_DRAFTERS = ("none", "ngram", "suffix")
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens prefilled per step while rows run (0: whole prompts)
+DEFAULT_PREFIX_CACHE_TOKENS = 16384  # the server's prefix store, in cached tokens (0: off)
 
 
 def serving_drafters(name: str = "none", target: Transformer | None = None, tokenizer: Tokenizer | None = None,
@@ -289,6 +304,8 @@ class SchedulerCounters:
     step_rows: int = 0  # sum over steps of the rows in the batch
     step_tokens: int = 0  # sum over steps of rows x T (tokens the target scored, padding included)
     finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> requests
+    prompt_tokens_cached: int = 0  # prompt tokens copied from the prefix cache, not scored
+    prefill_forwards: int = 0  # prefill forwards (one per chunk)
 
 
 class BatchScheduler:
@@ -315,6 +332,8 @@ class BatchScheduler:
         spec_token_budget: int = 32,
         max_speculative_tokens: int = 16,
         adaptive: bool = True,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefix_cache_tokens: int = 0,
         on_finish: Callable[[Request, Delta], None] | None = None,
     ):
         drafters = dict(drafters) if drafters is not None else serving_drafters()[0]
@@ -328,7 +347,8 @@ class BatchScheduler:
                 raise InvalidRequestError(f"drafter {name!r} cannot propose draft trees", "draft_tree")
         for name, value, low in (("num_speculative_tokens", num_speculative_tokens, 1), ("max_batch", max_batch, 1),
                                  ("max_queue", max_queue, 0), ("spec_token_budget", spec_token_budget, 1),
-                                 ("max_speculative_tokens", max_speculative_tokens, num_speculative_tokens)):
+                                 ("max_speculative_tokens", max_speculative_tokens, num_speculative_tokens),
+                                 ("prefill_chunk", prefill_chunk, 0), ("prefix_cache_tokens", prefix_cache_tokens, 0)):
             if not isinstance(value, int) or value < low:
                 raise InvalidRequestError(f"{name} must be an integer >= {low}, got {value!r}", name)
         cfg = model.config
@@ -349,6 +369,8 @@ class BatchScheduler:
         self.load_cap = LoadCap(spec_token_budget, max_speculative_tokens, self.goodput)
         self.on_finish = on_finish
         self.counters = SchedulerCounters()
+        self.prefill_chunk = prefill_chunk  # 0: every prompt in one forward
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         # Room for the longest request plus the widest verify block written past its end.
         room = max([self.k_max] + [shape.budget for shape in draft_trees.values()])
         self.cache = model.new_cache(max_batch, self.max_model_len + room + 1)
@@ -359,6 +381,9 @@ class BatchScheduler:
         self._waiting: deque[_Sequence] = deque()  # guarded by _lock
         self._cancelled: set[int] = set()  # guarded by _lock
         self._running: list[_Sequence] = []  # scheduler thread only; index = cache row
+        self._ready: deque[_Sequence] = deque()  # scheduler thread only: admitted, prefill not begun
+        self._prefilling: _Sequence | None = None  # scheduler thread only; cache row len(_running)
+        self._abort = False  # shutdown without drain: cancel everything held
         self._ids = itertools.count(1)
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -418,7 +443,7 @@ class BatchScheduler:
         with self._lock:
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down")
-            if len(self._waiting) >= self.max_queue + max(0, self.max_batch - len(self._running)):
+            if len(self._waiting) >= self.max_queue + max(0, self.max_batch - self._occupied()):
                 raise QueueFullError(f"too many requests: {len(self._waiting)} are waiting (limit {self.max_queue})")
             self._waiting.append(seq)
             self._lock.notify()
@@ -438,8 +463,7 @@ class BatchScheduler:
         """Stop taking requests; with `drain`, finish the queued and running ones first."""
         with self._lock:
             self._stopping = True
-            if not drain:
-                self._cancelled.update(s.handle.id for s in list(self._waiting) + self._running)
+            self._abort = not drain
             self._lock.notify()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -447,50 +471,100 @@ class BatchScheduler:
     # -- the loop (scheduler thread) -----------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._waiting and not self._running and not self._cancelled and not self._stopping:
-                    self._lock.wait()
-                cancelled, self._cancelled = self._cancelled, set()
-                kept = deque(s for s in self._waiting if s.handle.id not in cancelled)
-                gone = [s for s in self._waiting if s.handle.id in cancelled]
-                self._waiting = kept
-                admitted = []
-                while self._waiting and len(self._running) + len(admitted) < self.max_batch:
-                    admitted.append(self._waiting.popleft())
-                if self._stopping and not self._waiting and not self._running and not admitted:
-                    for seq in gone:
-                        self._finish(seq, "cancelled")
-                    return
-            for seq in gone:
-                self._finish(seq, "cancelled")
-            for seq in [s for s in self._running if s.handle.id in cancelled]:
-                self._leave(seq, "cancelled")
-            try:
-                with torch.inference_mode():
-                    for seq in admitted:
-                        self._prefill(seq)
-                    if self._running:
-                        self._decode_step()
-            except Exception as exc:  # a real fault: fail what is in flight, keep serving
-                message = f"{type(exc).__name__}: {exc}"
-                for seq in admitted:
-                    if seq not in self._running and not seq.handle.finished:
-                        self._finish(seq, "error", message)
-                for seq in list(self._running):
-                    self._leave(seq, "error", message)
+        while self.run_once():
+            pass
 
-    def _prefill(self, seq: _Sequence) -> None:
-        """Admit `seq` into the next free row: the core scores its prompt there (one forward per
-        new prompt) and emits its first token."""
+    def run_once(self, wait: bool = True) -> bool:
+        """One iteration of the loop (the scheduler thread's body; tests drive it by hand, without
+        `start`): take cancellations, admit, prefill (a chunk), one step. With `wait`, first wait
+        for work. False once stopping with nothing left."""
+        with self._lock:
+            while wait and not (self._waiting or self._running or self._ready or self._prefilling
+                                or self._cancelled or self._stopping):
+                self._lock.wait()
+            cancelled, self._cancelled = self._cancelled, set()
+            if self._abort:  # shutdown(drain=False): everything held is cancelled
+                held = list(self._waiting) + list(self._ready) + self._running + [self._prefilling]
+                cancelled.update(s.handle.id for s in held if s is not None)
+            gone = [s for s in self._waiting if s.handle.id in cancelled]
+            self._waiting = deque(s for s in self._waiting if s.handle.id not in cancelled)
+            gone += [s for s in self._ready if s.handle.id in cancelled]
+            self._ready = deque(s for s in self._ready if s.handle.id not in cancelled)
+            while self._waiting and self._occupied() < self.max_batch:
+                self._ready.append(self._waiting.popleft())
+            waiting = bool(self._waiting)
+        for seq in gone:
+            self._finish(seq, "cancelled")
+        if self._prefilling is not None and self._prefilling.handle.id in cancelled:
+            self._drop_prefilling("cancelled")
+        for seq in [s for s in self._running if s.handle.id in cancelled]:
+            self._leave(seq, "cancelled")
+        if self._stopping and not (waiting or self._ready or self._prefilling or self._running):
+            return False
+        try:
+            with torch.inference_mode():
+                self._prefill_some()
+                if self._running:
+                    self._decode_step()
+        except Exception as exc:  # a real fault: fail what is in flight, keep serving
+            message = f"{type(exc).__name__}: {exc}"
+            if self._prefilling is not None:
+                self._drop_prefilling("error", message)
+            for seq in list(self._running):
+                self._leave(seq, "error", message)
+        return True
+
+    def _occupied(self) -> int:
+        """Batch rows taken or promised: running, being prefilled, admitted and waiting for it."""
+        return len(self._running) + len(self._ready) + (self._prefilling is not None)
+
+    def _prefill_some(self) -> None:
+        """Prefill admitted prompts (step 2 of the loop): with rows running, at most `prefill_chunk`
+        prompt tokens this iteration, so they wait for one chunk at most; with none running (or
+        chunking off), every admitted prompt whole. One prompt is prefilled at a time, in cache
+        row len(_running); when its last chunk is in, it emits its first token and joins the
+        running rows where it already sits."""
+        budget = self.prefill_chunk if self.prefill_chunk and self._running else None
+        while self._prefilling is not None or self._ready:
+            if self._prefilling is None:
+                self._begin_prefill(self._ready.popleft())
+            seq = self._prefilling
+            r = len(self._running)
+            view = self.cache.rows(r + 1, r)
+            done = view.length()
+            emitted = self.engine.prefill(seq.row, view, None if budget is None else done + budget)
+            self.counters.prefill_forwards += 1
+            if emitted is not None:
+                self._prefilling = None
+                self._running.append(seq)
+                if self._emit(seq, emitted):  # one token asked for, or EOS at once
+                    self._leave(seq, seq.row.out.finish_reason)
+            if budget is not None:
+                budget -= view.length() - done if emitted is None else len(seq.row.prompt) - done
+                if budget <= 0:
+                    return
+
+    def _begin_prefill(self, seq: _Sequence) -> None:
+        """`seq` takes the cache row after the running ones; a cached prefix of its prompt is
+        copied in (`PrefixCache`), so that only the rest is scored."""
         r = len(self._running)
-        self._running.append(seq)
+        self._prefilling = seq
         seq.admitted = seq.row.started = time.perf_counter()
         self.cache.truncate(0, row=r)
-        emitted = self.engine.prefill(seq.row, self.cache.rows(r + 1, r))
         self.counters.prompt_tokens += len(seq.request.prompt_ids)
-        if self._emit(seq, emitted):  # one token asked for, or EOS at once
-            self._leave(seq, seq.row.out.finish_reason)
+        drafter = seq.row.drafter
+        # A learned drafter reads the target's hidden state of every prompt token, which a copied
+        # prefix does not bring: its rows score the whole prompt.
+        if self.prefix_cache is not None and (drafter is None or drafter.needs.observes is None):
+            found = self.prefix_cache.lookup(seq.row.prompt)
+            if found is not None:
+                self.cache.import_row(found[0], r, found[1])
+                self.counters.prompt_tokens_cached += found[1]
+
+    def _drop_prefilling(self, reason: str, error: str | None = None) -> None:
+        seq, self._prefilling = self._prefilling, None
+        self.cache.truncate(0, row=len(self._running))
+        self._finish(seq, reason, error)
 
     def _decode_step(self) -> None:
         """One step of the core over every running row (cache rows [0, n))."""
@@ -533,12 +607,20 @@ class BatchScheduler:
     def _leave(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
         """Take `seq` out of the batch, keeping the running rows contiguous."""
         row = self._running.index(seq)
+        if self.prefix_cache is not None and reason in ("stop", "length"):
+            # The committed tokens: the cache may also hold accepted drafts past a stop.
+            held = min(self.cache.length(row), len(seq.row.context))
+            self.prefix_cache.insert(seq.row.context[:held], self.cache, row)
         last = len(self._running) - 1
         if row != last:
             self.cache.move_row(last, row)
             self._running[row] = self._running[last]
         self._running.pop()
-        self.cache.truncate(0, row=last)
+        if self._prefilling is not None:  # its row follows the running ones: one row down
+            self.cache.move_row(last + 1, last)
+            self.cache.truncate(0, row=last + 1)
+        else:
+            self.cache.truncate(0, row=last)
         if not seq.handle.finished and reason in ("cancelled", "error"):
             self._finish(seq, reason, error)
 

@@ -13,15 +13,35 @@ the length; stale slots beyond it are never read and are overwritten later. A to
 in one pass is kept by `compact(indices)`, which moves the accepted nodes' slots into a contiguous
 run first.
 
+A finished row's filled slots can be copied out (`export_row`, a `KVPrefix`) and later copied
+into another row (`import_row`): that is what prefix caching keeps. Because slots carry their
+positions and every layer keeps every slot, a copied prefix of n tokens is exactly the state a
+prefill of those n tokens leaves, sliding-window layers included.
+
 Only the engine decides what to keep; the model only writes and reads.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from ..errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class KVPrefix:
+    """The first `length` slots of one cache row, copied out (`KVCache.export_row`)."""
+
+    keys: list[Tensor]  # per layer [kv_heads, length, head_dim]
+    values: list[Tensor]  # per layer [kv_heads, length, head_dim]
+    positions: Tensor  # [length]
+
+    @property
+    def length(self) -> int:
+        return self.positions.shape[0]
 
 
 class KVCache:
@@ -94,6 +114,27 @@ class KVCache:
                 layer_cache[dst, :, :n] = layer_cache[src, :, :n]
         self.positions[dst, :n] = self.positions[src, :n]
         self.lengths[dst] = n
+
+    def export_row(self, row: int, length: int) -> KVPrefix:
+        """A copy of row `row`'s first `length` slots (keys, values, positions)."""
+        if not 0 <= length <= int(self.lengths[row]):
+            raise ValueError(f"row {row} holds {int(self.lengths[row])} slots, not {length}")
+        return KVPrefix([k[row, :, :length].clone() for k in self.keys],
+                        [v[row, :, :length].clone() for v in self.values],
+                        self.positions[row, :length].clone())
+
+    def import_row(self, prefix: KVPrefix, row: int, length: int | None = None) -> None:
+        """Make row `row` hold the first `length` slots of `prefix` (all of it by default), and only
+        those: its length becomes `length`."""
+        n = prefix.length if length is None else length
+        if not 0 <= n <= prefix.length or n > self.capacity:
+            raise ValueError(f"cannot take {n} slots of a {prefix.length}-slot prefix into a "
+                             f"{self.capacity}-slot row")
+        for store, saved in ((self.keys, prefix.keys), (self.values, prefix.values)):
+            for layer_cache, layer_saved in zip(store, saved):
+                layer_cache[row, :, :n] = layer_saved[:, :n]
+        self.positions[row, :n] = prefix.positions[:n]
+        self.lengths[row] = n
 
     def compact(self, indices: list[int], start: int, row: int = 0) -> None:
         """Keep the slots `start + i` for i in `indices` (an accepted tree path), packed at `start`.

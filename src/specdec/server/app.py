@@ -40,7 +40,7 @@ from ..models.transformer import Transformer
 from ..sampling import SamplingParams
 from ..scheduler import BatchScheduler, Delta, RequestHandle, TokenLogprob
 from ..scheduler import Request as GenRequest
-from ..scheduler import serving_drafters
+from ..scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_TOKENS, serving_drafters
 from ..tokenizer import Tokenizer
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling, parse
@@ -61,6 +61,8 @@ class ServerSettings:
     max_queue: int = 64
     max_model_len: int = 2048
     spec_token_budget: int = 32
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per step while others run; 0 = whole prompts
+    prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS  # cached tokens kept for reuse; 0 = off
     speculation_control: str = "goodput"  # "goodput": learn when drafting pays; "budget": the ceiling only
     api_key: str | None = None
     dtype: str = "auto"
@@ -140,7 +142,8 @@ def create_app(settings: ServerSettings,
                 model, tokenizer, drafter=default, drafters=drafters,
                 num_speculative_tokens=settings.num_speculative_tokens, max_batch=settings.max_batch,
                 max_queue=settings.max_queue, max_model_len=settings.max_model_len,
-                spec_token_budget=settings.spec_token_budget,
+                spec_token_budget=settings.spec_token_budget, prefill_chunk=settings.prefill_chunk,
+                prefix_cache_tokens=settings.prefix_cache_tokens,
                 max_speculative_tokens=max(16, settings.num_speculative_tokens),
                 adaptive=settings.speculation_control == "goodput", on_finish=state.metrics.observe)
             state.tokenizer = tokenizer

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InvalidRequestError, ModelLoadError, SpecdecError
+from ..scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_TOKENS
 
 
 def add_arguments(parser) -> None:
@@ -38,6 +39,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row; more get 429")
     parser.add_argument("--max-model-len", type=int, default=2048,
                         help="prompt + generated tokens per request (sizes the preallocated KV cache)")
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                        help="prompt tokens prefilled per step while other requests are decoding, so a long prompt "
+                             "delays them by one chunk per step; 0 = each prompt in one forward")
+    parser.add_argument("--prefix-cache-tokens", type=int, default=DEFAULT_PREFIX_CACHE_TOKENS,
+                        help="tokens of finished requests whose KV entries are kept for later requests with the "
+                             "same prefix (system prompt, earlier turns), least recently used evicted first; "
+                             "memory: this times the KV bytes per token (36 KiB for Gemma 3 270M in float32); "
+                             "0 = off")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     parser.add_argument("--dtype", default="auto",
                         help="auto (bfloat16 on CUDA and on CPUs with native bfloat16, float32 otherwise and for "
@@ -70,8 +79,9 @@ def settings_from_args(args):
     for name in ("num_speculative_tokens", "max_batch", "max_model_len", "spec_token_budget"):
         if getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 1", name)
-    if args.max_queue < 0:
-        raise InvalidRequestError("--max-queue must be >= 0", "max_queue")
+    for name in ("max_queue", "prefill_chunk", "prefix_cache_tokens"):
+        if getattr(args, name) < 0:
+            raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 0", name)
     replica_flags = ("min_replicas", "max_replicas", "target_ongoing_requests", "ray_address", "ray_num_cpus")
     if args.replicas < 0:
         raise InvalidRequestError("--replicas must be >= 0", "replicas")
@@ -93,7 +103,8 @@ def settings_from_args(args):
     return ServerSettings(model=args.model, served_model_name=name, drafter=args.drafter,
                           num_speculative_tokens=args.num_speculative_tokens, max_batch=args.max_batch,
                           max_queue=args.max_queue, max_model_len=args.max_model_len,
-                          spec_token_budget=args.spec_token_budget,
+                          spec_token_budget=args.spec_token_budget, prefill_chunk=args.prefill_chunk,
+                          prefix_cache_tokens=args.prefix_cache_tokens,
                           speculation_control=args.speculation_control, api_key=args.api_key, dtype=args.dtype,
                           device=args.device, quantize=args.quantize)
 

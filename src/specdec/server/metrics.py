@@ -81,6 +81,9 @@ class ServerMetrics:
                    [("", scheduler.num_running)])
             metric("num_requests_waiting", "gauge", "Requests queued for a batch row.", [("", scheduler.num_waiting)])
             metric("prompt_tokens_total", "counter", "Prefilled prompt tokens.", [("", c.prompt_tokens)])
+            metric("prefix_cache_hit_tokens_total", "counter",
+                   "Prompt tokens whose KV entries came from the prefix cache instead of a prefill.",
+                   [("", c.prompt_tokens_cached)])
             metric("generation_tokens_total", "counter", "Generated tokens.", [("", c.generation_tokens)])
             metric("request_success_total", "counter", "Finished requests by finish reason.",
                    [(f',finished_reason="{r}"', v) for r, v in sorted(c.finished.items())])

@@ -1,0 +1,180 @@
+"""Chunked prefill and prefix caching in the scheduler: same greedy output as plain decoding, and
+a long prompt that arrives shares steps with the running rows."""
+
+import pytest
+import torch
+
+from specdec import Engine
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.models import loader
+from specdec.prefix_cache import PrefixCache, common_prefix
+from specdec.scheduler import BatchScheduler, Request, serving_drafters
+
+V = 97  # conftest's tiny vocabulary
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny Gemma 3 (sliding window 8, so every shared prefix below spans several windows) and
+    a draft model with the same vocabulary."""
+    make = __import__("conftest").make_tiny_hf
+    target, _ = loader.load(make(tmp_path_factory.mktemp("t"), "gemma3")[0], torch.float32, "cpu")
+    draft, _ = loader.load(make(tmp_path_factory.mktemp("d"), "gemma3", seed=1)[0], torch.float32, "cpu")
+    return target, draft
+
+
+def ids(n, seed):
+    return torch.randint(3, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def drive(sched, handles):
+    """Run the scheduler's loop by hand until every handle has finished; their token ids."""
+    while not all(h.finished for h in handles):
+        sched.run_once(wait=False)
+    return [h.result().token_ids for h in handles]
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3, 4], [1, 2, 5]) == 2
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common_prefix([7], [8]) == 0
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_prefix_cache_same_greedy_output_including_after_eviction(tiny, with_draft):
+    target, draft = tiny
+    system, other = ids(40, 1), ids(30, 2)
+    # Requests sharing a system prompt, a conversation that grows turn by turn (each turn's prompt
+    # extends the previous request's prompt and output), and a second family of prefixes that
+    # pushes the first out of a small budget.
+    prompts = [system + ids(5 + i, 10 + i) for i in range(3)] + [other + ids(6, 20), other + ids(4, 21)]
+    prompts += [system + ids(7, 30)]  # back to the first prefix, after the evictions
+    plain = Engine(target, None)
+    drafters = dict(serving_drafters()[0])
+    name = "none"
+    if with_draft:
+        drafters["draft_model"] = DraftModelDrafter(draft, V)
+        name = "draft_model"
+    refs, outs = [], []
+    for budget in (0, 120):
+        sched = BatchScheduler(target, None, drafters=drafters, drafter=name, num_speculative_tokens=3,
+                               max_batch=2, max_model_len=160, prefix_cache_tokens=budget)
+        got = []
+        turn = list(system)
+        for step in range(3):  # a conversation: each prompt is the last prompt + its answer + a new turn
+            turn = turn + ids(4, 40 + step)
+            [answer] = drive(sched, [sched.submit(Request(list(turn), 6))])
+            got.append(answer)
+            turn = turn + answer
+        got += [drive(sched, [sched.submit(Request(p, 8))])[0] for p in prompts]
+        (refs if budget == 0 else outs).append(got)
+        if budget:
+            stats = sched.prefix_cache.stats
+            assert stats.hits >= 5 and stats.evicted >= 1  # later turns and the shared prefix hit
+            assert sched.counters.prompt_tokens_cached == stats.hit_tokens > 5 * 30
+            assert sched.prefix_cache.held <= 120
+    expected = []
+    turn = list(system)
+    for step in range(3):
+        turn = turn + ids(4, 40 + step)
+        answer = plain.generate(prompt_ids=turn, max_new_tokens=6).token_ids
+        expected.append(answer)
+        turn = turn + answer
+    expected += [plain.generate(prompt_ids=p, max_new_tokens=8).token_ids for p in prompts]
+    assert refs[0] == expected
+    assert outs[0] == expected
+
+
+def test_prefix_cache_lookup_and_eviction(tiny):
+    target, _ = tiny
+    cache = target.new_cache(1, 64)
+    a = ids(40, 5)
+    tokens = torch.tensor([a])
+    target(tokens, torch.arange(40)[None], cache)
+    store = PrefixCache(budget_tokens=60)
+    store.insert(a[:20], cache, 0)
+    store.insert(a, cache, 0)  # covers the first entry, which goes
+    assert len(store) == 1 and store.held == 40
+    kv, n = store.lookup(a[:30] + [1, 2])
+    assert n == 30 and kv.length == 40
+    assert store.lookup(a[:20]) [1] == 19  # one token is always left to score
+    assert store.lookup(ids(40, 6)) is None
+    store.insert(ids(30, 7), cache, 0)  # 70 > 60: the least recently used (a) goes
+    assert store.stats.evicted == 1 and store.lookup(a) is None
+    # The copied slots are those of a fresh prefill: scoring the rest gives the same logits.
+    row = target.new_cache(1, 64)
+    full, _ = target(tokens, torch.arange(40)[None], target.new_cache(1, 64))
+    row.import_row(cache.export_row(0, 25), 0)
+    rest, _ = target(tokens[:, 25:], torch.arange(25, 40)[None], row)
+    torch.testing.assert_close(rest, full[:, 25:], rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_prefill_same_output_and_shares_steps(tiny):
+    target, _ = tiny
+    plain = Engine(target, None)
+    chunk, long_prompt = 8, ids(100, 3)
+    short = [ids(6 + i, 50 + i) for i in range(3)]
+    sched = BatchScheduler(target, None, drafter="ngram", num_speculative_tokens=3, max_batch=4,
+                           max_model_len=200, prefill_chunk=chunk)
+    running = [sched.submit(Request(p, 40)) for p in short]
+    sched.run_once(wait=False)  # nothing was running: the short prompts are prefilled whole, one step
+    assert sched.num_running == 3 and sched.counters.steps == 1
+    late = sched.submit(Request(long_prompt, 10))
+    steps_before = sched.counters.steps
+    forwards_before = sched.counters.prefill_forwards
+    iterations = 0
+    while late._sync.empty():  # no delta yet: its prefill is not over
+        sched.run_once(wait=False)
+        iterations += 1
+    # Its prompt went in chunks of `chunk` tokens, one per iteration, and every iteration also
+    # stepped the running rows.
+    assert iterations == -(-len(long_prompt) // chunk)
+    assert sched.counters.prefill_forwards - forwards_before == iterations
+    assert sched.counters.steps - steps_before == iterations
+    outs = drive(sched, running + [late])
+    refs = [plain.generate(prompt_ids=p, max_new_tokens=40).token_ids for p in short]
+    refs.append(plain.generate(prompt_ids=long_prompt, max_new_tokens=10).token_ids)
+    assert outs == refs
+
+
+def test_chunked_prefill_with_prefix_cache_and_departures(tiny):
+    """Rows leave while a prompt is half prefilled (its row moves down); cached prefixes and
+    chunks together; the background thread as the server runs it."""
+    target, _ = tiny
+    plain = Engine(target, None)
+    system = ids(50, 8)
+    prompts = [system + ids(3 + i % 4, 60 + i) for i in range(9)]
+    lengths = [3 + (5 * i) % 11 for i in range(9)]
+    sched = BatchScheduler(target, None, drafter="suffix", num_speculative_tokens=2, max_batch=3,
+                           max_model_len=128, prefill_chunk=5, prefix_cache_tokens=200).start()
+    handles = [sched.submit(Request(p, n)) for p, n in zip(prompts, lengths)]
+    outs = [h.result().token_ids for h in handles]
+    sched.shutdown()
+    assert outs == [plain.generate(prompt_ids=p, max_new_tokens=n).token_ids for p, n in zip(prompts, lengths)]
+    assert sched.counters.prompt_tokens_cached > 0
+    assert sched.num_running == 0 and int(sched.cache.lengths.sum()) == 0
+
+
+def test_settings_are_checked(tiny):
+    target, _ = tiny
+    from specdec.errors import InvalidRequestError
+
+    for bad in (dict(prefill_chunk=-1), dict(prefix_cache_tokens=-5), dict(prefill_chunk=2.5)):
+        with pytest.raises(InvalidRequestError):
+            BatchScheduler(target, None, max_model_len=64, **bad)
+
+
+def test_serve_flags():
+    import argparse
+
+    from specdec.errors import InvalidRequestError
+    from specdec.server.cli import add_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    settings = settings_from_args(parser.parse_args(["--prefill-chunk", "64", "--prefix-cache-tokens", "0"]))
+    assert settings.prefill_chunk == 64 and settings.prefix_cache_tokens == 0
+    for flag in ("--prefill-chunk", "--prefix-cache-tokens"):
+        with pytest.raises(InvalidRequestError, match=flag):
+            settings_from_args(parser.parse_args([flag, "-1"]))
