@@ -53,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], per generated occurrence")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], once per generated token")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0 (HF's: 1 = off)")
+    gen.add_argument("--logit-bias", default="", metavar="ID:BIAS,...", help="added to those tokens' logits")
+    gen.add_argument("--min-tokens", type=int, default=0, help="EOS is masked before this many tokens")
+    gen.add_argument("--ignore-eos", action="store_true", help="EOS does not end the output")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--dtype", default="auto",
                      help="auto (bfloat16 on CUDA and on CPUs with native bfloat16, float32 otherwise and for int8) "
@@ -112,7 +118,14 @@ def _generate(args) -> int:
     from .sampling import SamplingParams
     from .tokenizer import check_text
 
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
+    try:
+        bias = {int(t): float(b) for t, b in (pair.split(":") for pair in args.logit_bias.split(",") if pair)}
+    except ValueError:
+        raise SpecdecError("--logit-bias must be ID:BIAS pairs separated by commas, e.g. 13:-5,42:2.5") from None
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed,
+                              frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                              repetition_penalty=args.repetition_penalty, logit_bias=bias,
+                              min_tokens=args.min_tokens, ignore_eos=args.ignore_eos)
     prompt_ids = None
     if args.prompt_ids:
         try:

@@ -39,7 +39,7 @@ from .errors import InvalidRequestError, SpecdecError
 from .models import loader
 from .models.kv_cache import KVCache
 from .models.transformer import Transformer
-from .sampling import SamplingParams, greedy_tokens, make_generator, process_logits, sample
+from .sampling import SamplingParams, adjust_logits, greedy_tokens, make_generator, process_logits, sample
 from .tokenizer import Detokenizer, Tokenizer
 from .verify import TokenTree, TreeVerdict, first_proven_rejection, verify_greedy, verify_greedy_rows, \
     verify_sampling, verify_tree_greedy, verify_tree_sampling
@@ -545,6 +545,7 @@ class Engine:
         drafter loaded at start. k = 0 means no drafting.
         """
         sampling = sampling or SamplingParams()
+        self.check_sampling(sampling)
         drafter = self.drafter if drafter is _DEFAULT else drafter
         tree = self.draft_tree if draft_tree is _DEFAULT else draft_tree
         k = self.k if num_speculative_tokens is None else num_speculative_tokens
@@ -553,7 +554,8 @@ class Engine:
         if drafter is None or not drafter.needs.trees:
             tree = None
         fixed_k = not sampling.greedy and sampling.seed is not None
-        screen = self.screen_verify and sampling.greedy and not keep_logits
+        # Screening judges the raw head's columns: not for logits that are adjusted afterwards.
+        screen = self.screen_verify and sampling.greedy and not keep_logits and not sampling.adjusts_logits
         rule, cost = None, None
         if drafter is not None:
             if drafter.needs.model:
@@ -564,11 +566,17 @@ class Engine:
             rule_cost = policy.DraftCost() if cost is not None and fixed_k else cost
             rule = policy.row_rule(length, k, model=self.model, verify_cost=self.verify_cost,
                                    verify_overhead=self.verify_overhead, screened=screen, draft_cost=rule_cost)
-        return Row(list(prompt_ids), Output(self.tokenizer, self.model.config.eos_token_ids, list(stop),
-                                            max_new_tokens),
+        eos = () if sampling.ignore_eos else self.model.config.eos_token_ids
+        return Row(list(prompt_ids), Output(self.tokenizer, eos, list(stop), max_new_tokens),
                    sampling, make_generator(sampling.seed, self.device), drafter, rule, tree,
                    Stats(prompt_tokens=len(prompt_ids)), screen, keep_logits, fixed_k, cost,
                    [] if record_steps else None)
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """What `SamplingParams` cannot check alone: the model's vocabulary."""
+        vocab = self.model.config.vocab_size
+        if any(token >= vocab for token, _ in sampling.logit_bias):
+            raise InvalidRequestError(f"logit_bias: token ids must be in [0, {vocab})", "logit_bias")
 
     @staticmethod
     def room(row: Row) -> int:
@@ -602,7 +610,7 @@ class Engine:
         positions = torch.arange(len(ids), device=self.device)[None]  # [1, P]
         logits, hidden = self.model(tokens, positions, cache, last_n=1, need_hidden=observes)  # [1, 1, vocab]
         row.stats.target_forwards += 1
-        first = self._pick(logits[0], row.sampling, row.generator)
+        first = self._pick(logits[0], row)
         row.stats.prefill_s = time.perf_counter() - row.started
         if row.steps is not None:
             row.steps.append(Step([], first, "prefill", 0))
@@ -685,7 +693,7 @@ class Engine:
             if screened[r]:
                 verdict = self._verify_screened(hidden[r, : len(blocks[r])], tree.tokens, row.context)
             else:
-                verdict = self._verify_tree(logits_of[r], tree, q, row.sampling, row.generator)
+                verdict = self._verify_tree(logits_of[r], tree, q, row)
             # Roll back: keep the lead token and the accepted path; the verdict's next token leads
             # the following block. A chain's path is a prefix of the block, so moving the length is
             # enough; a tree's path is packed into consecutive slots first.
@@ -778,12 +786,19 @@ class Engine:
 
     # -- verification ---------------------------------------------------------------------------
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
+    def _adjusted(self, row: Row, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """The raw logits of a block's rows as the row's sampling sees them: row j after the
+        context and the draft tokens paths[j] (`adjust_logits`). logits: [len(paths), vocab]"""
+        if not row.sampling.adjusts_logits:
+            return logits
+        return adjust_logits(logits, row.sampling, row.prompt, row.out.ids, paths, self.model.config.eos_token_ids)
+
+    def _pick(self, logits: torch.Tensor, row: Row) -> int:
         # logits: [1, vocab] (the last position)
-        if sampling.greedy:
-            return greedy_tokens(logits[-1:])[0]
-        return int(sample(process_logits(logits[-1], sampling), generator))
+        logits = self._adjusted(row, logits[-1:], [[]])
+        if row.sampling.greedy:
+            return greedy_tokens(logits)[0]
+        return int(sample(process_logits(logits[0], row.sampling), row.generator))
 
     def _head_columns_exact(self) -> bool:
         """Whether the target's head scores chosen columns bit-identically (`head_columns`)."""
@@ -808,9 +823,12 @@ class Engine:
         v = verify_greedy_rows(self.model.head(hidden[: rows + 1]), draft)
         return TreeVerdict(v.accepted, v.next_token, v.kind, path=list(range(v.num_accepted)))
 
-    @staticmethod
-    def _verify_tree(logits, tree: TokenTree, q, sampling, generator) -> TreeVerdict:
-        # logits: [len(tree) + 1, vocab]; q: [len(tree), vocab] or None (one-hot)
+    def _verify_tree(self, logits, tree: TokenTree, q, row: Row) -> TreeVerdict:
+        # logits: [len(tree) + 1, vocab]; q: [len(tree), vocab] or None (one-hot). Each block row is
+        # adjusted for the draft tokens before it: the verification rules below then compare the
+        # drafts against exactly the distributions plain decoding would sample from.
+        sampling, generator = row.sampling, row.generator
+        logits = self._adjusted(row, logits, tree.paths())
         if tree.is_chain:
             # A path: the chain rules decide exactly as the tree rules would (greedy: the same
             # verdict; sampling: the same distribution), vectorised, and with the random draws

@@ -7,7 +7,7 @@ must be valid Unicode: a lone surrogate (`"\\ud800"`) is a 400 naming its field.
 Three kinds of fields:
 - implemented ones, declared below with their types and ranges;
 - fields that OpenAI's API or vLLM's well-known extensions define but this server does not
-  implement (tools, structured output, penalties, ...): accepted only at their neutral value
+  implement (tools, beam search, ...): accepted only at their neutral value
   (null, or the value that changes nothing, e.g. `ignore_eos: false`), otherwise a 400 that names
   the field with code "unsupported_parameter". They are listed in `NOT_IMPLEMENTED`;
 - fields nobody defines: ignored (as vLLM ignores them), so clients that send options of their
@@ -58,15 +58,11 @@ def _same(value: object, neutral: object) -> bool:
 
 # Known fields this server does not implement: name -> (its neutral values besides null, what to
 # say). Anything else in the field is a 400 naming it.
-_PENALTIES = "penalties and logit biases are not supported"
 _STRUCTURED = "structured output (JSON schemas, regular expressions, grammars, choices) is not supported"
 _TOOLS = "tool and function calling is not supported"
 _COMMON_NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
-    "repetition_penalty": ((1,), _PENALTIES),
     "length_penalty": ((1,), "beam search is not supported"),
     "use_beam_search": ((False,), "beam search is not supported"),
-    "min_tokens": ((0,), "min_tokens is not supported (EOS is never masked)"),
-    "ignore_eos": ((False,), "ignore_eos is not supported (generation stops at EOS)"),
     "stop_token_ids": (([],), "stop_token_ids is not supported: use stop strings"),
     "bad_words": (([],), "bad_words is not supported"),
     "allowed_token_ids": ((), "allowed_token_ids is not supported"),
@@ -173,10 +169,13 @@ class _Sampling(_Strict):
     n: Int = Field(1, ge=1)
     # A speculation override: `false` turns drafting off; an object picks the drafter and k.
     speculative: bool | SpeculativeOptions | None = None
-    # Known but not implemented, typed because clients send their neutral values often.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    # Applied at every position, drafted or not, as plain decoding applies them (`adjust_logits`).
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON keys are) -> [-100, 100]
+    min_tokens: Int = Field(0, ge=0)
+    ignore_eos: bool = False
     # OpenAI's end-user id (for abuse monitoring): accepted, changes nothing by definition.
     user: Text | None = None
 
@@ -185,11 +184,11 @@ class _Sampling(_Strict):
     def checked(self) -> "_Sampling":
         if self.n != 1:
             raise InvalidRequestError("only n = 1 is supported", "n", "unsupported_value")
-        if self.presence_penalty or self.frequency_penalty:
-            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            raise InvalidRequestError(f"{param} is not supported (only 0)", param, "unsupported_parameter")
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported", "logit_bias", "unsupported_parameter")
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise InvalidRequestError(f"logit_bias: keys must be token ids, got {key!r}", "logit_bias")
+            if not -100 <= value <= 100:
+                raise InvalidRequestError(f"logit_bias: values must be in [-100, 100], got {value}", "logit_bias")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise InvalidRequestError(f"at most {MAX_STOP} stop sequences", "stop")
         if "" in self.stop_list:
@@ -200,6 +199,10 @@ class _Sampling(_Strict):
             _refuse_not_implemented(self.stream_options, _STREAM_NOT_IMPLEMENTED, "stream_options.")
         _refuse_not_implemented(self, self._not_implemented)
         return self
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(key), value) for key, value in (self.logit_bias or {}).items())
 
     @property
     def stop_list(self) -> tuple[str, ...]:
