@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .errors import SpecdecError
 
@@ -59,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--logit-bias", default="", metavar="ID:BIAS,...", help="added to those tokens' logits")
     gen.add_argument("--min-tokens", type=int, default=0, help="EOS is masked before this many tokens")
     gen.add_argument("--ignore-eos", action="store_true", help="EOS does not end the output")
+    form = gen.add_mutually_exclusive_group()
+    form.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this schema")
+    form.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    form.add_argument("--regex", help="the output matches this regular expression")
+    form.add_argument("--grammar", metavar="FILE", help="the output follows this Lark (or GBNF) grammar")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--dtype", default="auto",
                      help="auto (bfloat16 on CUDA and on CPUs with native bfloat16, float32 otherwise and for int8) "
@@ -143,13 +149,25 @@ def _generate(args) -> int:
                            "which print the whole result at the end")
     if args.max_tokens < 1:  # before the load, like every other option the engine checks
         raise SpecdecError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    structured = None
+    if args.json_schema or args.grammar:  # read before the load: a missing file fails fast
+        path = args.json_schema or args.grammar
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpecdecError(f"cannot read {path}: {exc}") from None
+        structured = {"json": text} if args.json_schema else {"grammar": text}
+    elif args.json_object:
+        structured = {"json_object": True}
+    elif args.regex is not None:
+        structured = {"regex": args.regex}
     print("specdec: loading the model...", file=sys.stderr)
     engine = Engine.load(args.model, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
                          device=args.device, dtype=args.dtype, draft_length=args.draft_length, progress=_progress,
                          draft_p_min=args.draft_p_min, quantize=args.quantize,
                          draft_tree=args.tree, verify_cost=args.verify_cost, verify_overhead=args.verify_overhead)
     kwargs = dict(prompt=args.prompt, prompt_ids=prompt_ids, max_new_tokens=args.max_tokens, sampling=sampling,
-                  stop=args.stop)
+                  stop=args.stop, structured=structured)
     if args.compare:
         engine.generate(**{**kwargs, "max_new_tokens": 4})  # warm-up so the first timing is fair
         plain = engine.generate(**kwargs, speculative=False)

@@ -324,6 +324,7 @@ class Row:
     steps: list[Step] | None  # per-step record (`Generation.steps`), or None
     started: float = 0.0
     begun: bool = False  # prefilled: the drafter has had `begin`
+    grammar: object = None  # a `structured.GrammarState` at the committed tokens, or None
 
     @property
     def context(self) -> list[int]:
@@ -402,6 +403,7 @@ class Engine:
         # are verified with the head's full product only up to the first certain rejection.
         self.screen_verify = screen_verify and self._head_columns_exact()
         self.draft_costs: dict[str, policy.DraftCost] = {}  # drafter name -> its measured price
+        self._grammar_tokens = None  # the tokenizer as the grammar engine sees it, built on first use
 
     @classmethod
     def load(
@@ -473,9 +475,12 @@ class Engine:
         stop: str | list[str] | None = None,
         speculative: bool = True,
         on_text=None,
+        structured=None,
     ) -> Generation:
         """Generate a continuation: a batch of one row through `prefill` and `step`.
-        `on_text(delta)` receives text as it is produced (streaming)."""
+        `on_text(delta)` receives text as it is produced (streaming). `structured`: a
+        `StructuredSpec` or a one-key dict ({"json": schema}, {"regex": ...}, {"grammar": ...},
+        {"choice": [...]}, {"json_object": True}) the output must match."""
         ids = self.encode_prompt(prompt, prompt_ids)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequestError("max_new_tokens must be >= 1", "max_tokens")
@@ -483,8 +488,9 @@ class Engine:
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         emit = on_text or (lambda delta: None)
         start = time.perf_counter()
+        grammar = self.compile_structured(structured) if structured is not None else None
         row = self.new_row(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                           drafter=self.drafter if speculative else None, record_steps=True)
+                           drafter=self.drafter if speculative else None, record_steps=True, grammar=grammar)
         row.started = start
         cache = self.model.new_cache(1, len(ids) + max_new_tokens + self.room(row) + 1)
         emit(self.prefill(row, cache).text)
@@ -538,6 +544,7 @@ class Engine:
         draft_length: str | None = None,
         keep_logits: bool = False,
         record_steps: bool = False,
+        grammar=None,
     ) -> Row:
         """A row for one request; drafter, k, tree and draft length default to the engine's.
 
@@ -555,7 +562,8 @@ class Engine:
             tree = None
         fixed_k = not sampling.greedy and sampling.seed is not None
         # Screening judges the raw head's columns: not for logits that are adjusted afterwards.
-        screen = self.screen_verify and sampling.greedy and not keep_logits and not sampling.adjusts_logits
+        screen = (self.screen_verify and sampling.greedy and not keep_logits and not sampling.adjusts_logits
+                  and grammar is None)
         rule, cost = None, None
         if drafter is not None:
             if drafter.needs.model:
@@ -570,7 +578,29 @@ class Engine:
         return Row(list(prompt_ids), Output(self.tokenizer, eos, list(stop), max_new_tokens),
                    sampling, make_generator(sampling.seed, self.device), drafter, rule, tree,
                    Stats(prompt_tokens=len(prompt_ids)), screen, keep_logits, fixed_k, cost,
-                   [] if record_steps else None)
+                   [] if record_steps else None, grammar=grammar)
+
+    def compile_structured(self, structured):
+        """A fresh `structured.GrammarState` for a request's constraint (a spec or its dict form);
+        an InvalidRequestError for a bad one, or when the grammar engine is not installed."""
+        from . import structured as st
+
+        spec = st.StructuredSpec.of(structured)
+        try:
+            import llguidance  # noqa: F401
+        except ImportError:
+            raise InvalidRequestError("structured output needs the grammar engine: pip install "
+                                      "'specdec[structured]' (llguidance)", spec.param) from None
+        if self._grammar_tokens is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs the model's tokenizer", spec.param)
+            try:
+                backend = self.tokenizer.backend_json()
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(str(exc), spec.param) from None
+            self._grammar_tokens = st.GrammarTokens(backend, self.model.config.vocab_size,
+                                                    self.model.config.eos_token_ids, spec.param)
+        return st.compile_spec(spec, self._grammar_tokens)
 
     def check_sampling(self, sampling: SamplingParams) -> None:
         """What `SamplingParams` cannot check alone: the model's vocabulary."""
@@ -620,6 +650,8 @@ class Engine:
             if observes:
                 drafter.observe(hidden[0])  # [prompt_len, hidden]
         text = row.out.push(first)
+        if row.grammar is not None:
+            row.grammar.advance([first])
         return Emitted([first], text, logits[0] if row.keep_logits else None)
 
     @torch.inference_mode()
@@ -725,6 +757,8 @@ class Engine:
                 kept.append(token)
                 if row.out.finished:
                     break
+            if row.grammar is not None:
+                row.grammar.advance(kept)
             row_logits = logits_of[r][keep][: len(kept)] if row.keep_logits else None
             emitted.append(Emitted(kept, text, row_logits, len(tree), verdict.num_accepted, depth))
         return StepReport(emitted, width, drafted, accepted, forward_s)
@@ -788,10 +822,15 @@ class Engine:
 
     def _adjusted(self, row: Row, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
         """The raw logits of a block's rows as the row's sampling sees them: row j after the
-        context and the draft tokens paths[j] (`adjust_logits`). logits: [len(paths), vocab]"""
-        if not row.sampling.adjusts_logits:
-            return logits
-        return adjust_logits(logits, row.sampling, row.prompt, row.out.ids, paths, self.model.config.eos_token_ids)
+        context and the draft tokens paths[j] (`adjust_logits`), then masked to what the row's
+        grammar allows after that prefix. logits: [len(paths), vocab]"""
+        if row.sampling.adjusts_logits:
+            logits = adjust_logits(logits, row.sampling, row.prompt, row.out.ids, paths,
+                                   self.model.config.eos_token_ids)
+        if row.grammar is not None:
+            allowed = row.grammar.masks(paths).to(logits.device)  # [len(paths), vocab]
+            logits = logits.float().masked_fill(~allowed, float("-inf"))
+        return logits
 
     def _pick(self, logits: torch.Tensor, row: Row) -> int:
         # logits: [1, vocab] (the last position)

@@ -248,7 +248,9 @@ def create_app(settings: ServerSettings,
             k = 0
         elif body.speculative is not None and body.speculative is not True:
             drafter, k = body.speculative.drafter, body.speculative.num_tokens
-        return GenRequest(prompt_ids, max_tokens, sampling, body.stop_list, drafter, k, logprobs)
+        spec = body.structured
+        grammar = scheduler.engine.compile_structured(spec) if spec is not None else None
+        return GenRequest(prompt_ids, max_tokens, sampling, body.stop_list, drafter, k, logprobs, grammar)
 
     def text_ids(text: str, param: str) -> list[int]:
         if not text:
