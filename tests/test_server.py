@@ -145,6 +145,19 @@ def test_completion_equals_plain_greedy(client, engine):
     assert client.completions.create(model="tiny", prompt=ids, max_tokens=24, temperature=0).choices[0].text == ref.text
 
 
+def test_penalties_and_bias_equal_plain_decoding(client, engine):
+    # The server drafts with ngram; the reference is plain decoding with the same adjustments.
+    a = engine.tokenizer.encode("a")[0]
+    params = dict(frequency_penalty=0.6, presence_penalty=0.2, repetition_penalty=1.3, logit_bias={a: 3.0},
+                  min_tokens=5)
+    ref = engine.generate(prompt=PROMPT, max_new_tokens=24, sampling=SamplingParams(**params))
+    assert ref.text != greedy(engine, PROMPT, 24).text  # the adjustments matter here
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
+                                    frequency_penalty=0.6, presence_penalty=0.2, logit_bias={str(a): 3.0},
+                                    extra_body={"repetition_penalty": 1.3, "min_tokens": 5})
+    assert out.choices[0].text == ref.text
+
+
 def test_stream_equals_non_stream_and_usage_comes_last(server, client):
     kwargs = dict(model="tiny", messages=[{"role": "user", "content": "hello hello hello"}], max_tokens=20,
                   temperature=0)
@@ -251,7 +264,13 @@ BAD = [
     (C, {"prompt": "hi", "stop": 5}, 400, "stop"),
     (C, {"prompt": "hi", "n": 2}, 400, "n"),
     (C, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
-    (C, {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    (C, {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (C, {"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    (C, {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    (C, {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
+    (C, {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    (C, {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    (C, {"prompt": "hi", "logit_bias": {"97": 1}}, 400, "logit_bias"),  # outside the tiny vocabulary
     (C, {"prompt": "hi", "speculative": {"drafter": "magic"}}, 400, "speculative.drafter"),
     (C, {"prompt": "hi", "speculative": {"drafter": "/models/draft"}}, 400, "speculative.drafter"),  # never a path
     (C, {"prompt": "hi", "speculative": {"drafter": 3}}, 400, "speculative"),

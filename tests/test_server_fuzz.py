@@ -96,9 +96,14 @@ common = {
     "speculative": mixed(st.one_of(st.booleans(), st.fixed_dictionaries({}, optional={
         "drafter": mixed(st.sampled_from(["none", "ngram", "suffix"]), st.just("eagle")),
         "num_tokens": mixed(whole(st.integers(0, 16)), st.integers(-2, 40))}))),
-    "presence_penalty": mixed(st.just(0), bad_numbers),
-    "frequency_penalty": mixed(st.just(0.0), bad_numbers),
-    "logit_bias": mixed(st.sampled_from([None, {}]), st.dictionaries(text, numbers, max_size=2)),
+    "presence_penalty": mixed(st.floats(-2, 2, allow_nan=False), bad_numbers, st.sampled_from([2.5, -3])),
+    "frequency_penalty": mixed(st.floats(-2, 2, allow_nan=False), bad_numbers, st.sampled_from([2.5, -3])),
+    "repetition_penalty": mixed(st.floats(0.5, 2, allow_nan=False), st.sampled_from([0, -1, 0.0])),
+    "logit_bias": mixed(st.one_of(st.sampled_from([None, {}]), st.dictionaries(
+        st.integers(0, 96).map(str), st.floats(-100, 100, allow_nan=False), max_size=2)),
+        st.dictionaries(text, numbers, max_size=2), st.just({"97": 1.0}), st.just({"5": 101})),
+    "min_tokens": mixed(whole(st.integers(0, 3)), st.sampled_from([-1, 1.5, True])),
+    "ignore_eos": mixed(st.booleans()),
     "user": mixed(text),
 }
 unknown_fields = st.dictionaries(st.text(alphabet="abcdefxyz_", min_size=1, max_size=8).map(lambda k: "x_" + k),

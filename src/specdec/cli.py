@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .errors import SpecdecError
 
@@ -54,6 +55,17 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], per generated occurrence")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], once per generated token")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0 (HF's: 1 = off)")
+    gen.add_argument("--logit-bias", default="", metavar="ID:BIAS,...", help="added to those tokens' logits")
+    gen.add_argument("--min-tokens", type=int, default=0, help="EOS is masked before this many tokens")
+    gen.add_argument("--ignore-eos", action="store_true", help="EOS does not end the output")
+    form = gen.add_mutually_exclusive_group()
+    form.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this schema")
+    form.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    form.add_argument("--regex", help="the output matches this regular expression")
+    form.add_argument("--grammar", metavar="FILE", help="the output follows this Lark (or GBNF) grammar")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--dtype", default="auto",
                      help="auto (bfloat16 on CUDA and on CPUs with native bfloat16, float32 otherwise and for int8) "
@@ -113,7 +125,14 @@ def _generate(args) -> int:
     from .sampling import SamplingParams
     from .tokenizer import check_text
 
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
+    try:
+        bias = {int(t): float(b) for t, b in (pair.split(":") for pair in args.logit_bias.split(",") if pair)}
+    except ValueError:
+        raise SpecdecError("--logit-bias must be ID:BIAS pairs separated by commas, e.g. 13:-5,42:2.5") from None
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed,
+                              frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                              repetition_penalty=args.repetition_penalty, logit_bias=bias,
+                              min_tokens=args.min_tokens, ignore_eos=args.ignore_eos)
     prompt_ids = None
     if args.prompt_ids:
         try:
@@ -131,13 +150,25 @@ def _generate(args) -> int:
                            "which print the whole result at the end")
     if args.max_tokens < 1:  # before the load, like every other option the engine checks
         raise SpecdecError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    structured = None
+    if args.json_schema or args.grammar:  # read before the load: a missing file fails fast
+        path = args.json_schema or args.grammar
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpecdecError(f"cannot read {path}: {exc}") from None
+        structured = {"json": text} if args.json_schema else {"grammar": text}
+    elif args.json_object:
+        structured = {"json_object": True}
+    elif args.regex is not None:
+        structured = {"regex": args.regex}
     print("specdec: loading the model...", file=sys.stderr)
     engine = Engine.load(args.model, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
                          device=args.device, dtype=args.dtype, draft_length=args.draft_length, progress=_progress,
                          draft_p_min=args.draft_p_min, quantize=args.quantize,
                          draft_tree=args.tree, verify_cost=args.verify_cost, verify_overhead=args.verify_overhead)
     kwargs = dict(prompt=args.prompt, prompt_ids=prompt_ids, max_new_tokens=args.max_tokens, sampling=sampling,
-                  stop=args.stop)
+                  stop=args.stop, structured=structured)
     if args.compare:
         engine.generate(**{**kwargs, "max_new_tokens": 4})  # warm-up so the first timing is fair
         plain = engine.generate(**kwargs, speculative=False)

@@ -39,7 +39,7 @@ from .errors import InvalidRequestError, SpecdecError
 from .models import loader
 from .models.kv_cache import KVCache
 from .models.transformer import Transformer
-from .sampling import SamplingParams, greedy_tokens, make_generator, process_logits, sample
+from .sampling import SamplingParams, adjust_logits, greedy_tokens, make_generator, process_logits, sample
 from .tokenizer import Detokenizer, Tokenizer
 from .verify import TokenTree, TreeVerdict, first_proven_rejection, verify_greedy, verify_greedy_rows, \
     verify_sampling, verify_tree_greedy, verify_tree_sampling
@@ -326,6 +326,7 @@ class Row:
     begun: bool = False  # prefilled: the drafter has had `begin`
     # A learned drafter's row: the prompt's final hidden states from the prefill's chunks so far.
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)
+    grammar: object = None  # a `structured.GrammarState` at the committed tokens, or None
 
     @property
     def context(self) -> list[int]:
@@ -404,6 +405,7 @@ class Engine:
         # are verified with the head's full product only up to the first certain rejection.
         self.screen_verify = screen_verify and self._head_columns_exact()
         self.draft_costs: dict[str, policy.DraftCost] = {}  # drafter name -> its measured price
+        self._grammar_tokens = None  # the tokenizer as the grammar engine sees it, built on first use
 
     @classmethod
     def load(
@@ -475,9 +477,12 @@ class Engine:
         stop: str | list[str] | None = None,
         speculative: bool = True,
         on_text=None,
+        structured=None,
     ) -> Generation:
         """Generate a continuation: a batch of one row through `prefill` and `step`.
-        `on_text(delta)` receives text as it is produced (streaming)."""
+        `on_text(delta)` receives text as it is produced (streaming). `structured`: a
+        `StructuredSpec` or a one-key dict ({"json": schema}, {"regex": ...}, {"grammar": ...},
+        {"choice": [...]}, {"json_object": True}) the output must match."""
         ids = self.encode_prompt(prompt, prompt_ids)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequestError("max_new_tokens must be >= 1", "max_tokens")
@@ -485,8 +490,9 @@ class Engine:
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         emit = on_text or (lambda delta: None)
         start = time.perf_counter()
+        grammar = self.compile_structured(structured) if structured is not None else None
         row = self.new_row(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                           drafter=self.drafter if speculative else None, record_steps=True)
+                           drafter=self.drafter if speculative else None, record_steps=True, grammar=grammar)
         row.started = start
         cache = self.model.new_cache(1, len(ids) + max_new_tokens + self.room(row) + 1)
         emit(self.prefill(row, cache).text)
@@ -540,6 +546,7 @@ class Engine:
         draft_length: str | None = None,
         keep_logits: bool = False,
         record_steps: bool = False,
+        grammar=None,
     ) -> Row:
         """A row for one request; drafter, k, tree and draft length default to the engine's.
 
@@ -547,6 +554,7 @@ class Engine:
         drafter loaded at start. k = 0 means no drafting.
         """
         sampling = sampling or SamplingParams()
+        self.check_sampling(sampling)
         drafter = self.drafter if drafter is _DEFAULT else drafter
         tree = self.draft_tree if draft_tree is _DEFAULT else draft_tree
         k = self.k if num_speculative_tokens is None else num_speculative_tokens
@@ -555,7 +563,9 @@ class Engine:
         if drafter is None or not drafter.needs.trees:
             tree = None
         fixed_k = not sampling.greedy and sampling.seed is not None
-        screen = self.screen_verify and sampling.greedy and not keep_logits
+        # Screening judges the raw head's columns: not for logits that are adjusted afterwards.
+        screen = (self.screen_verify and sampling.greedy and not keep_logits and not sampling.adjusts_logits
+                  and grammar is None)
         rule, cost = None, None
         if drafter is not None:
             if drafter.needs.model:
@@ -566,11 +576,39 @@ class Engine:
             rule_cost = policy.DraftCost() if cost is not None and fixed_k else cost
             rule = policy.row_rule(length, k, model=self.model, verify_cost=self.verify_cost,
                                    verify_overhead=self.verify_overhead, screened=screen, draft_cost=rule_cost)
-        return Row(list(prompt_ids), Output(self.tokenizer, self.model.config.eos_token_ids, list(stop),
-                                            max_new_tokens),
+        eos = () if sampling.ignore_eos else self.model.config.eos_token_ids
+        return Row(list(prompt_ids), Output(self.tokenizer, eos, list(stop), max_new_tokens),
                    sampling, make_generator(sampling.seed, self.device), drafter, rule, tree,
                    Stats(prompt_tokens=len(prompt_ids)), screen, keep_logits, fixed_k, cost,
-                   [] if record_steps else None)
+                   [] if record_steps else None, grammar=grammar)
+
+    def compile_structured(self, structured):
+        """A fresh `structured.GrammarState` for a request's constraint (a spec or its dict form);
+        an InvalidRequestError for a bad one, or when the grammar engine is not installed."""
+        from . import structured as st
+
+        spec = st.StructuredSpec.of(structured)
+        try:
+            import llguidance  # noqa: F401
+        except ImportError:
+            raise InvalidRequestError("structured output needs the grammar engine: pip install "
+                                      "'specdec[structured]' (llguidance)", spec.param) from None
+        if self._grammar_tokens is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs the model's tokenizer", spec.param)
+            try:
+                backend = self.tokenizer.backend_json()
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(str(exc), spec.param) from None
+            self._grammar_tokens = st.GrammarTokens(backend, self.model.config.vocab_size,
+                                                    self.model.config.eos_token_ids, spec.param)
+        return st.compile_spec(spec, self._grammar_tokens)
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """What `SamplingParams` cannot check alone: the model's vocabulary."""
+        vocab = self.model.config.vocab_size
+        if any(token >= vocab for token, _ in sampling.logit_bias):
+            raise InvalidRequestError(f"logit_bias: token ids must be in [0, {vocab})", "logit_bias")
 
     @staticmethod
     def room(row: Row) -> int:
@@ -622,7 +660,7 @@ class Engine:
             row.prompt_hidden.append(hidden[0])  # [end - start, hidden]
         if not final:
             return None
-        first = self._pick(logits[0], row.sampling, row.generator)
+        first = self._pick(logits[0], row)
         row.stats.prefill_s = time.perf_counter() - row.started
         if row.steps is not None:
             row.steps.append(Step([], first, "prefill", 0))
@@ -637,6 +675,8 @@ class Engine:
                                      "cannot start from a copied prefix")
                 drafter.observe(seen)
         text = row.out.push(first)
+        if row.grammar is not None:
+            row.grammar.advance([first])
         return Emitted([first], text, logits[0] if row.keep_logits else None)
 
     @torch.inference_mode()
@@ -710,7 +750,7 @@ class Engine:
             if screened[r]:
                 verdict = self._verify_screened(hidden[r, : len(blocks[r])], tree.tokens, row.context)
             else:
-                verdict = self._verify_tree(logits_of[r], tree, q, row.sampling, row.generator)
+                verdict = self._verify_tree(logits_of[r], tree, q, row)
             # Roll back: keep the lead token and the accepted path; the verdict's next token leads
             # the following block. A chain's path is a prefix of the block, so moving the length is
             # enough; a tree's path is packed into consecutive slots first.
@@ -742,6 +782,8 @@ class Engine:
                 kept.append(token)
                 if row.out.finished:
                     break
+            if row.grammar is not None:
+                row.grammar.advance(kept)
             row_logits = logits_of[r][keep][: len(kept)] if row.keep_logits else None
             emitted.append(Emitted(kept, text, row_logits, len(tree), verdict.num_accepted, depth))
         return StepReport(emitted, width, drafted, accepted, forward_s)
@@ -803,12 +845,24 @@ class Engine:
 
     # -- verification ---------------------------------------------------------------------------
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
+    def _adjusted(self, row: Row, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """The raw logits of a block's rows as the row's sampling sees them: row j after the
+        context and the draft tokens paths[j] (`adjust_logits`), then masked to what the row's
+        grammar allows after that prefix. logits: [len(paths), vocab]"""
+        if row.sampling.adjusts_logits:
+            logits = adjust_logits(logits, row.sampling, row.prompt, row.out.ids, paths,
+                                   self.model.config.eos_token_ids)
+        if row.grammar is not None:
+            allowed = row.grammar.masks(paths).to(logits.device)  # [len(paths), vocab]
+            logits = logits.float().masked_fill(~allowed, float("-inf"))
+        return logits
+
+    def _pick(self, logits: torch.Tensor, row: Row) -> int:
         # logits: [1, vocab] (the last position)
-        if sampling.greedy:
-            return greedy_tokens(logits[-1:])[0]
-        return int(sample(process_logits(logits[-1], sampling), generator))
+        logits = self._adjusted(row, logits[-1:], [[]])
+        if row.sampling.greedy:
+            return greedy_tokens(logits)[0]
+        return int(sample(process_logits(logits[0], row.sampling), row.generator))
 
     def _head_columns_exact(self) -> bool:
         """Whether the target's head scores chosen columns bit-identically (`head_columns`)."""
@@ -833,9 +887,12 @@ class Engine:
         v = verify_greedy_rows(self.model.head(hidden[: rows + 1]), draft)
         return TreeVerdict(v.accepted, v.next_token, v.kind, path=list(range(v.num_accepted)))
 
-    @staticmethod
-    def _verify_tree(logits, tree: TokenTree, q, sampling, generator) -> TreeVerdict:
-        # logits: [len(tree) + 1, vocab]; q: [len(tree), vocab] or None (one-hot)
+    def _verify_tree(self, logits, tree: TokenTree, q, row: Row) -> TreeVerdict:
+        # logits: [len(tree) + 1, vocab]; q: [len(tree), vocab] or None (one-hot). Each block row is
+        # adjusted for the draft tokens before it: the verification rules below then compare the
+        # drafts against exactly the distributions plain decoding would sample from.
+        sampling, generator = row.sampling, row.generator
+        logits = self._adjusted(row, logits, tree.paths())
         if tree.is_chain:
             # A path: the chain rules decide exactly as the tree rules would (greedy: the same
             # verdict; sampling: the same distribution), vectorised, and with the random draws

@@ -1,6 +1,8 @@
 """Pure sampling functions: logits -> processed probabilities -> a token, with an explicit RNG.
 
-`process_logits` is the one place where temperature, top-k, top-p and min-p are applied. The engine
+`adjust_logits` applies what depends on the tokens before a position (logit bias, min_tokens,
+repetition / frequency / presence penalties) to the raw logits; `process_logits` is then the one
+place where temperature, top-k, top-p and min-p are applied. The engine
 runs the target's logits (p) and, for drafters with a distribution, the drafter's logits (q) through
 it with the same `SamplingParams`; speculative sampling then reproduces exactly the processed target
 distribution (see `verify.py`).
@@ -31,6 +33,15 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass, in (0, 1]; 1 = off
     min_p: float = 0.0  # drop tokens below min_p * max prob, in [0, 1); 0 = off
     seed: int | None = None  # None = fresh OS randomness per request
+    # What `adjust_logits` applies, as vLLM defines them: frequency and presence penalties count
+    # the generated tokens, the repetition penalty (HF's, dividing positive logits and multiplying
+    # negative ones) every token of prompt and output.
+    frequency_penalty: float = 0.0  # in [-2, 2]; 0 = off
+    presence_penalty: float = 0.0  # in [-2, 2]; 0 = off
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is accepted
+    min_tokens: int = 0  # EOS is masked until this many tokens were generated
+    ignore_eos: bool = False  # EOS does not end the output (it is emitted like any token)
 
     def __post_init__(self):
         def finite_number(name: str, value) -> None:
@@ -55,10 +66,86 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not 0 <= self.min_p < 1:
             raise InvalidRequestError(f"min_p must be in [0, 1), got {self.min_p}", "min_p")
+        for name in ("frequency_penalty", "presence_penalty"):
+            finite_number(name, getattr(self, name))
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        finite_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                                      "repetition_penalty")
+        integer("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}", "ignore_eos")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        pairs = []
+        for token, value in bias:
+            integer("logit_bias", token)
+            finite_number("logit_bias", value)
+            if token < 0:
+                raise InvalidRequestError(f"logit_bias: token id {token} is negative", "logit_bias")
+            if not -100 <= value <= 100:
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
+            pairs.append((int(token), float(value)))
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether `adjust_logits` changes anything (the engine skips it, and keeps its screened
+        greedy verification, when it does not)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
+
+
+def adjust_logits(logits: Tensor, params: SamplingParams, prompt: list[int], output: list[int],
+                  paths: list[list[int]], eos_ids) -> Tensor:
+    """The raw logits of several positions, each adjusted for the tokens before it: logit bias,
+    min_tokens (EOS masked), repetition penalty, then frequency and presence penalties (vLLM's
+    order). Row j follows prompt + output + paths[j], and paths[j] counts as generated output, so
+    a verify block's row i sees the draft tokens before it as if they had been emitted: exactly
+    the logits plain decoding would adjust at that position, had the draft been accepted so far.
+
+    logits: Tensor  # [n, vocab] raw, any float dtype
+    paths: n token lists (a chain's row i: draft[:i]; a tree's row: the tokens on its node's path)
+    returns: Tensor  # [n, vocab] float32
+    """
+    logits = logits.float().clone()
+    n, vocab = logits.shape
+    device = logits.device
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], device=device)
+        logits[:, ids] += torch.tensor([b for _, b in params.logit_bias], device=device)
+    if params.min_tokens:
+        early = [j for j, path in enumerate(paths) if len(output) + len(path) < params.min_tokens]
+        eos = [e for e in eos_ids if e < vocab]
+        if early and eos:
+            logits[torch.tensor(early, device=device)[:, None], torch.tensor(eos, device=device)] = float("-inf")
+    if params.repetition_penalty == 1 and not params.frequency_penalty and not params.presence_penalty:
+        return logits
+    # counts[j, t]: how often t was generated before row j; seen[j, t]: t is anywhere before it.
+    row_of = [j for j, path in enumerate(paths) for _ in path]
+    path_ids = [t for path in paths for t in path]
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long, device=device), minlength=vocab)[:vocab]
+    counts = counts.to(torch.float32).repeat(n, 1)  # [n, vocab]
+    if path_ids:
+        counts.index_put_((torch.tensor(row_of, device=device), torch.tensor(path_ids, device=device)),
+                          torch.ones(len(path_ids), device=device), accumulate=True)
+    if params.repetition_penalty != 1:
+        seen = counts > 0  # [n, vocab]
+        seen[:, torch.tensor(prompt, dtype=torch.long, device=device)] = True
+        penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
+    if params.frequency_penalty:
+        logits -= params.frequency_penalty * counts
+    if params.presence_penalty:
+        logits -= params.presence_penalty * (counts > 0).float()
+    return logits
 
 
 def make_generator(seed: int | None, device) -> torch.Generator:

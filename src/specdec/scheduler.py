@@ -160,6 +160,7 @@ class Request:
     drafter: str | None = None  # a drafter the scheduler loaded at start, by name; None = its default
     num_speculative_tokens: int | None = None  # None = the scheduler's default k
     logprobs: int | None = None  # None = off; n >= 0: each token's log-prob and n top alternatives
+    grammar: object = None  # the request's own `structured.GrammarState` (Engine.compile_structured)
 
 
 @dataclass(frozen=True)
@@ -438,7 +439,7 @@ class BatchScheduler:
         row = self.engine.new_row(request.prompt_ids, max_new_tokens=request.max_new_tokens,
                                   sampling=request.sampling, stop=list(request.stop), drafter=drafter,
                                   num_speculative_tokens=k, draft_tree=self.draft_trees.get(name),
-                                  keep_logits=request.logprobs is not None)
+                                  keep_logits=request.logprobs is not None, grammar=request.grammar)
         seq = _Sequence(handle, time.perf_counter(), row)
         with self._lock:
             if self._stopping:

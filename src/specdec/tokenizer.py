@@ -110,6 +110,15 @@ class Tokenizer:
                 setattr(tok, leftover, None)
         return cls(hf_tokenizer=tok)
 
+    def backend_json(self) -> str:
+        """The Rust tokenizer as tokenizer.json text (what a grammar engine builds its view from)."""
+        if self._rust is not None:
+            return self._rust.to_str()
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None:
+            raise InvalidRequestError("structured output needs a fast (tokenizer.json) tokenizer", "response_format")
+        return backend.to_str()
+
     def encode(self, text: str) -> list[int]:
         if not text:
             raise InvalidRequestError("the prompt is empty", param="prompt")

@@ -23,6 +23,16 @@ because sum_y max(0, p - q)(y) = 1 - sum_y min(p, q)(y) (both p and q sum to 1).
 is only reached after x was accepted, and then p_{i+1} is exactly the target's distribution given
 that prefix, so by induction every emitted token follows the target.
 
+Adjusted and masked targets. Penalties, logit bias and a grammar make the target's distribution at
+a position depend on the tokens before it: p'_i is the target's logits after context + draft[:i],
+adjusted as if draft[:i] had been emitted (`sampling.adjust_logits`) and masked to the tokens the
+grammar allows after that prefix, then processed. The rules here only need each p'_i to be exactly
+what plain decoding would sample from at that position once draft[:i] was accepted, which it is,
+so the proof above holds with p' for p. A draft token the grammar forbids has p'_i(x) = 0: it is
+always rejected there, and the recovered token comes from norm(max(0, p'_i - q_i)), never from p'_i
+itself (cutting the draft at a forbidden token and sampling p'_i would over-weight the tokens
+q_i also likes: the first branch of the sum above would be missing).
+
 A drafter without probabilities (n-gram, suffix, ...) is a drafter whose q_i is one-hot at its
 token x. The general rule then reads: accept with probability min(1, p(x)) = p(x); the residual
 max(0, p - e_x) is p with entry x set to 0, renormalised. It runs through the same code path.
@@ -233,6 +243,14 @@ class TokenTree:
         out: list[int] = []
         for p in self.parents:
             out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def paths(self) -> list[list[int]]:
+        """The draft tokens before each block position: [] for the root, then for node i the
+        tokens on the path from the root to node i, itself included."""
+        out: list[list[int]] = [[]]
+        for token, p in zip(self.tokens, self.parents):
+            out.append(out[p + 1] + [token])
         return out
 
     def mask(self) -> Tensor:

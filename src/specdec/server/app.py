@@ -241,13 +241,19 @@ def create_app(settings: ServerSettings,
                     scheduler: BatchScheduler) -> GenRequest:
         if max_tokens is None:
             max_tokens = max(1, scheduler.max_model_len - len(prompt_ids))
-        sampling = SamplingParams(body.temperature, max(0, body.top_k), body.top_p, body.min_p, body.seed)
+        sampling = SamplingParams(body.temperature, max(0, body.top_k), body.top_p, body.min_p, body.seed,
+                                  frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                                  repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_pairs,
+                                  min_tokens=body.min_tokens, ignore_eos=body.ignore_eos)
+        scheduler.engine.check_sampling(sampling)
         drafter, k = None, None
         if body.speculative is False:
             k = 0
         elif body.speculative is not None and body.speculative is not True:
             drafter, k = body.speculative.drafter, body.speculative.num_tokens
-        return GenRequest(prompt_ids, max_tokens, sampling, body.stop_list, drafter, k, logprobs)
+        spec = body.structured
+        grammar = scheduler.engine.compile_structured(spec) if spec is not None else None
+        return GenRequest(prompt_ids, max_tokens, sampling, body.stop_list, drafter, k, logprobs, grammar)
 
     def text_ids(text: str, param: str) -> list[int]:
         if not text:

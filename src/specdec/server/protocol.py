@@ -7,7 +7,7 @@ must be valid Unicode: a lone surrogate (`"\\ud800"`) is a 400 naming its field.
 Three kinds of fields:
 - implemented ones, declared below with their types and ranges;
 - fields that OpenAI's API or vLLM's well-known extensions define but this server does not
-  implement (tools, structured output, penalties, ...): accepted only at their neutral value
+  implement (tools, beam search, ...): accepted only at their neutral value
   (null, or the value that changes nothing, e.g. `ignore_eos: false`), otherwise a 400 that names
   the field with code "unsupported_parameter". They are listed in `NOT_IMPLEMENTED`;
 - fields nobody defines: ignored (as vLLM ignores them), so clients that send options of their
@@ -17,11 +17,12 @@ Three kinds of fields:
 from __future__ import annotations
 
 import json
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from ..errors import InvalidRequestError
+from ..structured import StructuredSpec
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
@@ -58,15 +59,10 @@ def _same(value: object, neutral: object) -> bool:
 
 # Known fields this server does not implement: name -> (its neutral values besides null, what to
 # say). Anything else in the field is a 400 naming it.
-_PENALTIES = "penalties and logit biases are not supported"
-_STRUCTURED = "structured output (JSON schemas, regular expressions, grammars, choices) is not supported"
 _TOOLS = "tool and function calling is not supported"
 _COMMON_NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
-    "repetition_penalty": ((1,), _PENALTIES),
     "length_penalty": ((1,), "beam search is not supported"),
     "use_beam_search": ((False,), "beam search is not supported"),
-    "min_tokens": ((0,), "min_tokens is not supported (EOS is never masked)"),
-    "ignore_eos": ((False,), "ignore_eos is not supported (generation stops at EOS)"),
     "stop_token_ids": (([],), "stop_token_ids is not supported: use stop strings"),
     "bad_words": (([],), "bad_words is not supported"),
     "allowed_token_ids": ((), "allowed_token_ids is not supported"),
@@ -78,14 +74,9 @@ _COMMON_NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
     "logits_processors": ((), "logits_processors is not supported"),
     "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not supported"),
     "priority": ((0,), "request priorities are not supported (first come, first served)"),
-    "response_format": (({"type": "text"},), _STRUCTURED),
-    "structured_outputs": ((), _STRUCTURED),
-    "guided_json": ((), _STRUCTURED),
-    "guided_regex": ((), _STRUCTURED),
-    "guided_choice": ((), _STRUCTURED),
-    "guided_grammar": ((), _STRUCTURED),
-    "guided_decoding_backend": ((), _STRUCTURED),
-    "guided_whitespace_pattern": ((), _STRUCTURED),
+    "guided_decoding_backend": ((), "the grammar engine is llguidance, not chosen per request"),
+    "guided_whitespace_pattern": ((), "JSON whitespace is fixed (as json.dumps writes it); a schema's "
+                                      "x-guidance sets it"),
     "store": ((False,), "stored completions are not supported"),
     "metadata": (({},), "metadata is only used by stored completions, which are not supported"),
     "service_tier": (("auto", "default"), "service tiers are not supported"),
@@ -173,10 +164,21 @@ class _Sampling(_Strict):
     n: Int = Field(1, ge=1)
     # A speculation override: `false` turns drafting off; an object picks the drafter and k.
     speculative: bool | SpeculativeOptions | None = None
-    # Known but not implemented, typed because clients send their neutral values often.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    # Applied at every position, drafted or not, as plain decoding applies them (`adjust_logits`).
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON keys are) -> [-100, 100]
+    min_tokens: Int = Field(0, ge=0)
+    ignore_eos: bool = False
+    # Structured output (`structured`): OpenAI's response_format, vLLM's structured_outputs, and
+    # vLLM's older guided_* fields as aliases. Checked by hand for messages that name the field.
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # OpenAI's end-user id (for abuse monitoring): accepted, changes nothing by definition.
     user: Text | None = None
 
@@ -185,11 +187,11 @@ class _Sampling(_Strict):
     def checked(self) -> "_Sampling":
         if self.n != 1:
             raise InvalidRequestError("only n = 1 is supported", "n", "unsupported_value")
-        if self.presence_penalty or self.frequency_penalty:
-            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            raise InvalidRequestError(f"{param} is not supported (only 0)", param, "unsupported_parameter")
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported", "logit_bias", "unsupported_parameter")
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise InvalidRequestError(f"logit_bias: keys must be token ids, got {key!r}", "logit_bias")
+            if not -100 <= value <= 100:
+                raise InvalidRequestError(f"logit_bias: values must be in [-100, 100], got {value}", "logit_bias")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise InvalidRequestError(f"at most {MAX_STOP} stop sequences", "stop")
         if "" in self.stop_list:
@@ -199,7 +201,50 @@ class _Sampling(_Strict):
                 raise InvalidRequestError("stream_options is only allowed with stream = true", "stream_options")
             _refuse_not_implemented(self.stream_options, _STREAM_NOT_IMPLEMENTED, "stream_options.")
         _refuse_not_implemented(self, self._not_implemented)
+        self.structured  # noqa: B018 (a malformed constraint is a 400 here, before any work)
         return self
+
+    @property
+    def structured(self) -> StructuredSpec | None:
+        """The one output constraint the request asks for, or None."""
+        found: list[StructuredSpec] = []
+        rf = self.response_format
+        if rf is not None:
+            if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+                raise InvalidRequestError('response_format: type must be "text", "json_object" or "json_schema"',
+                                          "response_format")
+            if rf["type"] == "json_object":
+                found.append(StructuredSpec("json_object", True, "response_format"))
+            elif rf["type"] == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict) or not isinstance(js.get("schema"), (dict, bool)):
+                    raise InvalidRequestError("response_format.json_schema: an object with a JSON schema as its "
+                                              "\"schema\"", "response_format.json_schema")
+                found.append(StructuredSpec("json", js["schema"], "response_format.json_schema.schema"))
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, dict):
+                raise InvalidRequestError("structured_outputs must be an object", "structured_outputs")
+            for key, value in so.items():
+                if value is None or (key == "json_object" and value is False):
+                    continue
+                if key not in ("json", "regex", "grammar", "choice", "json_object"):
+                    raise InvalidRequestError(f"structured_outputs.{key} is not supported (json, regex, grammar, "
+                                              "choice or json_object)", f"structured_outputs.{key}",
+                                              "unsupported_parameter")
+                found.append(StructuredSpec(key, value, f"structured_outputs.{key}"))
+        for key in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{key}")
+            if value is not None:
+                found.append(StructuredSpec(key, value, f"guided_{key}"))
+        if len(found) > 1:
+            raise InvalidRequestError(f"one output constraint per request, got {', '.join(f.param for f in found)}",
+                                      found[1].param)
+        return found[0] if found else None
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(key), value) for key, value in (self.logit_bias or {}).items())
 
     @property
     def stop_list(self) -> tuple[str, ...]:
