@@ -16,20 +16,32 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a continuation of a prompt")
-    gen.add_argument("--prompt", help="prompt text")
+    gen.add_argument("--prompt", help="prompt text (with --chat: the user's message)")
+    gen.add_argument("--message", help="a user message, rendered with the model's chat template (implies --chat)")
+    gen.add_argument("--system", help="a system message before the user's (implies --chat)")
+    gen.add_argument("--chat", action="store_true",
+                     help="render the prompt with the model's chat template (as /v1/chat/completions does) and "
+                          "stop at the end of the assistant's turn")
     gen.add_argument("--prompt-ids", help="comma-separated token ids (for models without a tokenizer)")
-    gen.add_argument("--model", default="default", help="HF folder or .gguf file (default: Gemma 3 270M)")
-    gen.add_argument("--drafter", default="none",
-                     help="none | ngram | suffix | eagle (the shipped head of the default model) | "
-                          "eagle:DIR (a trained head) | PATH of a draft model (HF folder or .gguf) "
+    gen.add_argument("--model", default="default",
+                     help="HF folder, .gguf file, or a named model (`specdec models`, e.g. qwen2.5-coder-1.5b-instruct) "
+                          "(default: Gemma 3 270M)")
+    gen.add_argument("--drafter", default="auto",
+                     help="auto (default: for a named model with a paired draft model, prompt lookup then that "
+                          "draft model, ngram+DRAFT; otherwise prompt lookup, ngram; the cost-aware draft length "
+                          "drafts only where it pays) | none | ngram | suffix | eagle (the shipped head of the default model) | "
+                          "eagle:DIR (a trained head) | a named model or the PATH of a draft model (HF folder or .gguf) "
                           "sharing the vocabulary | ngram+eagle, suffix+eagle, ngram+PATH... (lookup "
                           "where it finds a match, the learned drafter where it does not)")
     gen.add_argument("--draft-p-min", type=float, default=None,
                      help="draft model: stop drafting below this top probability (0 = off)")
-    gen.add_argument("--quantize", default="none", choices=["none", "int8"],
+    gen.add_argument("--quantize", default="auto", choices=["auto", "none", "int8"],
                      help="int8: int8 weights for every linear and the output head, activations on two "
                           "7-bit planes per row (CPU, fbgemm); changes the target, plain and "
-                          "speculative then share it")
+                          "speculative then share it. auto (default): int8 on the CPU when the weights come "
+                          "quantised already (the default model, a named model, a .gguf file), else none")
+    gen.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8"],
+                     help="the draft model's quantisation (auto, the default: the target's)")
     gen.add_argument("-k", "--num-speculative-tokens", type=int, default=5,
                      help="draft tokens per step (the most, with --draft-length cost)")
     gen.add_argument("--draft-length", default=None, choices=["fixed", "adaptive", "cost"],
@@ -73,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
 SUBCOMMANDS = [
     ("serve", "specdec.server.cli", "run the OpenAI-compatible HTTP server"),
     ("bench", "specdec.bench.cli", "benchmark configurations on Spec-Bench prompts"),
+    ("models", "specdec.models.presets", "list the named models (--model / --drafter NAME) and whether they are installed"),
     ("train-draft", "specdec.train",
      "train a drafter for a target by self-distillation: an EAGLE-style head or a small draft model"),
 ]
@@ -118,15 +131,32 @@ def _generate(args) -> int:
             prompt_ids = [int(x) for x in args.prompt_ids.split(",")]
         except ValueError:
             raise SpecdecError("--prompt-ids must be comma-separated integers") from None
-    if (args.prompt is None) == (prompt_ids is None):
+    chat = args.chat or args.message is not None or args.system is not None
+    if args.message is not None and args.prompt is not None:
+        raise SpecdecError("give the user's message once: --message or --prompt")
+    if chat and prompt_ids is not None:
+        raise SpecdecError("--chat renders text through the chat template: give --message or --prompt, not --prompt-ids")
+    user = args.message if args.message is not None else args.prompt
+    if chat and user is None:
+        raise SpecdecError("--chat needs the user's message: --message TEXT")
+    if not chat and (args.prompt is None) == (prompt_ids is None):
         raise SpecdecError("give exactly one of --prompt or --prompt-ids")
     if args.max_tokens < 1:  # before the load, like every other option the engine checks
         raise SpecdecError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     print("specdec: loading the model...", file=sys.stderr)
     engine = Engine.load(args.model, args.drafter, args.num_speculative_tokens, args.device, args.dtype,
                          args.draft_length, progress=_progress, draft_p_min=args.draft_p_min, quantize=args.quantize,
-                         draft_tree=args.tree, verify_cost=args.verify_cost, verify_overhead=args.verify_overhead)
-    kwargs = dict(prompt=args.prompt, prompt_ids=prompt_ids, max_new_tokens=args.max_tokens, sampling=sampling,
+                         draft_tree=args.tree, verify_cost=args.verify_cost, verify_overhead=args.verify_overhead,
+                         draft_quantize=args.draft_quantize)
+    prompt = args.prompt
+    if chat:
+        if engine.tokenizer is None:
+            raise SpecdecError("--chat: this model has no tokenizer, so no chat template")
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
+            [{"role": "user", "content": user}]
+        # The reply ends at the template's end-of-turn token, which is the model's EOS (Qwen's <|im_end|>).
+        prompt, prompt_ids = None, engine.tokenizer.encode_chat(messages)
+    kwargs = dict(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=args.max_tokens, sampling=sampling,
                   stop=args.stop)
     if args.compare:
         engine.generate(**{**kwargs, "max_new_tokens": 4})  # warm-up so the first timing is fair
@@ -143,7 +173,7 @@ def _generate(args) -> int:
             print(json.dumps(result))
             return 0
         print(f"--- plain ({plain.stats.tokens_per_s:.1f} tokens/s)\n{plain.text}")
-        print(f"--- speculative, drafter {args.drafter} ({spec.stats.tokens_per_s:.1f} tokens/s, "
+        print(f"--- speculative, drafter {getattr(engine.drafter, 'name', 'none')} ({spec.stats.tokens_per_s:.1f} tokens/s, "
               f"mean accepted length {spec.stats.mean_accepted_length:.2f})\n{spec.text}")
         print(f"--- speedup {result['speedup']:.2f}x; texts identical: {result['identical']}")
         return 0

@@ -9,7 +9,9 @@ An option is `key=value` or a bare flag (`adaptive`). Examples::
     ngram:k=8:fixed            ... always 8 (without a flag: the engine's default, the cost-aware
                                draft length, per match length and at most k)
     suffix:k=5                 suffix cache (learns across the requests of the run)
-    draft:model=PATH:k=4       a draft model (or give --draft-model PATH once)
+    draft:model=PATH:k=4       a draft model (or give --draft-model PATH once; a named model's pair is
+                               the default); it runs quantised as the target does (draft_quantize=none|int8)
+    draft:k=4:lookup=ngram     prompt lookup first, the draft model where lookup finds nothing
     eagle:k=5                  the shipped EAGLE head (eagle:head=DIR for another one)
     eagle:k=8:lookup=ngram     prompt lookup first, the EAGLE head where lookup finds nothing
     plain:quantize=int8        the same target quantised (when Engine.load takes `quantize`)
@@ -42,7 +44,7 @@ KINDS: dict[str, tuple[str, dict[str, object]]] = {
     "suffix": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "max_ngram": int, "min_ngram": int,
                            "dtype": _DTYPE, "quantize": str}),
     "draft": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "model": str, "p_min": float,
-                          "dtype": _DTYPE, "quantize": str}),
+                          "lookup": str, "draft_quantize": str, "dtype": _DTYPE, "quantize": str}),
     "eagle": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str, "head": str, "p_min": float,
                           "lookup": str, "dtype": _DTYPE, "quantize": str}),
     "hf": ("hf", {"dtype": _DTYPE}),
@@ -199,8 +201,8 @@ def _convert(item: str, key: str, value: str, kind_of) -> object:
         raise InvalidRequestError(f"{item!r}: dtype must be one of {', '.join(DTYPE_NAMES)}", "configs")
     if key == "lookup" and converted not in ("ngram", "suffix"):
         raise InvalidRequestError(f"{item!r}: lookup must be ngram or suffix", "configs")
-    if key == "quantize" and converted not in QUANTIZE_NAMES:
-        raise InvalidRequestError(f"{item!r}: quantize must be one of {', '.join(QUANTIZE_NAMES)}", "configs")
+    if key in ("quantize", "draft_quantize") and converted not in QUANTIZE_NAMES:
+        raise InvalidRequestError(f"{item!r}: {key} must be one of {', '.join(QUANTIZE_NAMES)}", "configs")
     return converted
 
 

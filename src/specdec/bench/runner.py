@@ -383,6 +383,10 @@ def _gguf_for(settings: Settings, config: BenchConfig) -> Path | None:
         return Path(config.options["model"]).expanduser()
     if settings.model == "default":
         return loader.default_model_path()
+    from ..models import presets
+
+    if presets.is_preset(settings.model):
+        return presets.path(settings.model)
     path = Path(settings.model).expanduser()
     return path if path.suffix.lower() == ".gguf" else None
 
@@ -443,6 +447,8 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
         elif tokenizer is None:
             raise InvalidRequestError(f"prompt {p.id} is text but {settings.model} has no tokenizer: give prompt_ids "
                                       "in a --prompts file (and --tasks none)", "prompts")
+        elif p.chat:  # the user's first turn, as a chat client would send it
+            ids = tuple(tokenizer.encode_chat([{"role": "user", "content": p.text}]))
         else:
             ids = tuple(tokenizer.encode(p.text))
         # + k + 1: a verify block may reach that far past the last kept token.
@@ -562,19 +568,25 @@ def _drafter_factory(c: BenchConfig, base, drafts: dict, log) -> Callable[[], ob
         log(f"loading the EAGLE head {c.options.get('head') or '(shipped)'}")
         drafter = make_drafter(eagle_name(c.options), base.model, base.tokenizer, c.options.get("p_min"))
         return lambda: drafter
+    from ..drafters.combined import lookup_first
     from ..drafters.draft_model import DEFAULT_DRAFT_P_MIN, DraftModelDrafter
+    from ..engine import draft_quantize_for
     from ..models import loader
     from ..tokenizer import Tokenizer
 
     weight = base.model.embed_tokens.weight
-    key = (str(c.options["model"]), weight.dtype)
+    quantize = draft_quantize_for(c.options.get("draft_quantize"), base.model)  # default: the target's
+    key = (str(c.options["model"]), weight.dtype, quantize)
     if key not in drafts:
-        log(f"loading the draft model {c.options['model']}")
-        model, folder = loader.load(c.options["model"], weight.dtype, weight.device, _load_progress(log))
+        log(f"loading the draft model {c.options['model']}{' (int8)' if quantize == 'int8' else ''}")
+        model, folder = loader.load(c.options["model"], weight.dtype, weight.device, _load_progress(log),
+                                    quantize=quantize)
         drafts[key] = (model, Tokenizer.from_folder(folder))
     model, tokenizer = drafts[key]
     p_min = c.options.get("p_min", DEFAULT_DRAFT_P_MIN)
     drafter = DraftModelDrafter(model, base.model.config.vocab_size, p_min, tokenizer, base.tokenizer)
+    if c.options.get("lookup"):  # prompt lookup first, the draft model where it finds nothing
+        return lambda: lookup_first(lookup_drafter(c.options["lookup"], {}), drafter)
     return lambda: drafter
 
 

@@ -110,13 +110,18 @@ class DraftModelDrafter:
         draft_p_min: float = DEFAULT_DRAFT_P_MIN,
         target_tokenizer=None,
         progress=None,
+        quantize: str = "none",
     ) -> "DraftModelDrafter":
-        """Load a draft model from an HF folder or a .gguf file (converted once, as for targets)."""
+        """Load a draft model from an HF folder or a .gguf file (converted once, as for targets).
+
+        `quantize="int8"` puts its linears and output head on int8 (`quant.quantize_model`), the
+        target's fast path; a draft token then costs a fraction of a target token rather than more.
+        """
         from specdec.models import loader
         from specdec.tokenizer import Tokenizer
 
         check_draft_p_min(draft_p_min)  # before the slow part
-        model, folder = loader.load(source, dtype, device, progress)
+        model, folder = loader.load(source, dtype, device, progress, quantize=quantize)
         return cls(model, target_vocab_size, draft_p_min, Tokenizer.from_folder(folder), target_tokenizer)
 
     # -- protocol -------------------------------------------------------------------------------

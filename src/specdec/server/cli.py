@@ -10,11 +10,13 @@ from ..errors import InvalidRequestError
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", default="default", help="HF folder or .gguf file (default: Gemma 3 270M)")
+    parser.add_argument("--model", default="default",
+                        help="HF folder, .gguf file or a named model (`specdec models`) (default: Gemma 3 270M)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients send as `model` (default: derived from --model)")
-    parser.add_argument("--drafter", default="none", choices=["none", "ngram", "suffix"],
-                        help="default lookup drafter (requests may override it with `speculative`)")
+    parser.add_argument("--drafter", default="ngram", choices=["none", "ngram", "suffix"],
+                        help="default lookup drafter (requests may override it with `speculative`); the default, "
+                             "ngram, drafts only where --speculation-control finds it pays")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
     parser.add_argument("--spec-token-budget", type=int, default=32,
                         help="tokens one batched forward may score: with n running requests each drafts at most "
@@ -33,7 +35,9 @@ def add_arguments(parser) -> None:
                         help="auto (bfloat16 on CUDA and on CPUs with native bfloat16, float32 otherwise and for "
                              "int8) | float32 | bfloat16 | float16")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
-    parser.add_argument("--quantize", default="none", choices=["none", "int8"])
+    parser.add_argument("--quantize", default="auto", choices=["auto", "none", "int8"],
+                        help="auto (default): int8 on the CPU when the weights come quantised (the default model, a "
+                             "named model, a .gguf file), else none")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level")
 
 
@@ -59,7 +63,7 @@ def settings_from_args(args):
 def run(args) -> int:
     import uvicorn
 
-    from ..engine import check_quantize, resolve_device, resolve_dtype
+    from ..engine import check_quantize, resolve_device, resolve_dtype, resolve_quantize
     from ..models.loader import check_path
     from .app import create_app
 
@@ -67,8 +71,9 @@ def run(args) -> int:
     # Fail on a bad device, dtype, quantisation or model path before binding the port; the model
     # itself loads in the background while /health answers 503.
     device = resolve_device(settings.device)
-    resolve_dtype(settings.dtype, device, settings.quantize)
-    check_quantize(settings.quantize, device)
+    quantize = resolve_quantize(settings.quantize, device, settings.model)
+    resolve_dtype(settings.dtype, device, quantize)
+    check_quantize(quantize, device)
     if settings.model != "default":
         check_path(settings.model)
     print(f"specdec: serving {settings.served_model_name!r} on http://{args.host}:{args.port} "
