@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                           "quantised already (the default model, a named model, a .gguf file), else none")
     gen.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8"],
                      help="the draft model's quantisation (auto, the default: the target's)")
+    gen.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                     help="the draft model scores only its N most frequent ids (FR-Spec; 0 = all); lossless, "
+                          "the target still verifies over its full vocabulary")
     gen.add_argument("-k", "--num-speculative-tokens", type=int, default=5,
                      help="draft tokens per step (the most, with --draft-length cost)")
     gen.add_argument("--draft-length", default=None, choices=["fixed", "adaptive", "cost"],
@@ -147,7 +150,7 @@ def _generate(args) -> int:
     engine = Engine.load(args.model, args.drafter, args.num_speculative_tokens, args.device, args.dtype,
                          args.draft_length, progress=_progress, draft_p_min=args.draft_p_min, quantize=args.quantize,
                          draft_tree=args.tree, verify_cost=args.verify_cost, verify_overhead=args.verify_overhead,
-                         draft_quantize=args.draft_quantize)
+                         draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab)
     prompt = args.prompt
     if chat:
         if engine.tokenizer is None:

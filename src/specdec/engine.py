@@ -89,12 +89,15 @@ def draft_model_path(name: str | None) -> Path | None:
 
 
 def make_drafter(name: str, target: Transformer | None = None, target_tokenizer: Tokenizer | None = None,
-                 draft_p_min: float | None = None, progress=None, draft_quantize: str | None = None) -> Drafter | None:
+                 draft_p_min: float | None = None, progress=None, draft_quantize: str | None = None,
+                 draft_vocab: int | None = None) -> Drafter | None:
     """none | ngram | suffix, or a draft model path: loaded on `target`'s device in its dtype.
 
     `draft_p_min` is the draft model's confidence cut-off (None = its default, 0 = off).
     `draft_quantize` is the draft model's quantisation: None or "auto" = the target's (an int8
     target gets an int8 draft, whose every draft token then costs int8 products too).
+    `draft_vocab` N > 0: the draft model scores only its N most frequent ids (FR-Spec; see
+    `drafters/draft_model.py`), still lossless.
     """
     from .drafters.draft_model import DEFAULT_DRAFT_P_MIN, DraftModelDrafter, check_draft_p_min
 
@@ -102,7 +105,7 @@ def make_drafter(name: str, target: Transformer | None = None, target_tokenizer:
         check_draft_p_min(draft_p_min)
     if (parts := split_name(name)) is not None:
         draft_model_path(name)  # the learned part must be one
-        learned = make_drafter(parts[1], target, target_tokenizer, draft_p_min, progress, draft_quantize)
+        learned = make_drafter(parts[1], target, target_tokenizer, draft_p_min, progress, draft_quantize, draft_vocab)
         return lookup_first(make_drafter(parts[0]), learned)
     if is_eagle_name(name):
         if target is None:
@@ -123,7 +126,8 @@ def make_drafter(name: str, target: Transformer | None = None, target_tokenizer:
     weight = target.embed_tokens.weight
     p_min = DEFAULT_DRAFT_P_MIN if draft_p_min is None else draft_p_min
     return DraftModelDrafter.load(path, target.config.vocab_size, weight.dtype, weight.device, p_min,
-                                  target_tokenizer, progress, quantize=draft_quantize_for(draft_quantize, target))
+                                  target_tokenizer, progress, quantize=draft_quantize_for(draft_quantize, target),
+                                  vocab=draft_vocab)
 
 
 def draft_quantize_for(draft_quantize: str | None, target: Transformer) -> str:
@@ -378,6 +382,7 @@ class Engine:
         verify_overhead: float | None = None,
         screen_verify: bool = True,
         draft_quantize: str | None = None,
+        draft_vocab: int | None = None,
     ) -> "Engine":
         """Load a target (and drafter) ready to generate.
 
@@ -398,6 +403,9 @@ class Engine:
         drafter = resolve_drafter(drafter, target)
         if draft_quantize not in (None, "auto"):
             check_quantize(draft_quantize, device)
+        from .drafters.draft_model import check_vocab
+
+        check_vocab(draft_vocab)
         if isinstance(draft_tree, str):
             draft_tree = TreeShape.parse(draft_tree)  # a malformed shape fails before the load
         draft_length = default_draft_length(draft_length, draft_tree)
@@ -420,7 +428,7 @@ class Engine:
         loader.release_freed_memory()
         model, _ = loader.load(folder, torch_dtype, device, progress, quantize)
         if draft_path:
-            made = make_drafter(drafter, model, tokenizer, draft_p_min, progress, draft_quantize)
+            made = make_drafter(drafter, model, tokenizer, draft_p_min, progress, draft_quantize, draft_vocab)
         return cls(model, tokenizer, made, num_speculative_tokens, draft_length, draft_tree, verify_cost,
                    verify_overhead, screen_verify)
 

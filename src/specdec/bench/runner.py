@@ -584,7 +584,8 @@ def _drafter_factory(c: BenchConfig, base, drafts: dict, log) -> Callable[[], ob
         drafts[key] = (model, Tokenizer.from_folder(folder))
     model, tokenizer = drafts[key]
     p_min = c.options.get("p_min", DEFAULT_DRAFT_P_MIN)
-    drafter = DraftModelDrafter(model, base.model.config.vocab_size, p_min, tokenizer, base.tokenizer)
+    drafter = DraftModelDrafter(model, base.model.config.vocab_size, p_min, tokenizer, base.tokenizer,
+                                c.options.get("vocab"))
     if c.options.get("lookup"):  # prompt lookup first, the draft model where it finds nothing
         return lambda: lookup_first(lookup_drafter(c.options["lookup"], {}), drafter)
     return lambda: drafter

@@ -35,6 +35,15 @@ token that will be rejected costs a draft forward and a wider verify pass for no
 a decision taken from the draft's own state before its token is drawn, so it leaves verification
 exact; an empty draft makes the engine do a plain step.
 
+Reduced vocabulary (FR-Spec, Zhao et al. 2025). With `vocab=N` the draft scores only N ids: the
+first N of its vocabulary (a byte-level BPE numbers its tokens in merge order, which follows their
+frequency in the tokenizer's corpus) and its special tokens (EOS, end of turn). Its output head is
+then a copy of those N rows: Qwen2.5-0.5B's full head is 151,936 x 896, a quarter of the bytes a
+draft token reads. The other ids get -inf, so the draft never proposes them; q (under sampling) is
+the distribution over the kept ids that the token was really drawn from. Verification is unchanged
+(the target scores its full vocabulary), so the output stays exact; only acceptance can drop, where
+the target's token is one the draft cannot name.
+
 Vocabularies. The target's vocabulary is the one that counts: draft logits for ids the target does
 not have are dropped, ids the draft does not have get -inf (probability 0), so q always has the
 target's vocabulary size. Models of one family are often padded to a round size, so sizes within
@@ -54,7 +63,7 @@ from torch import Tensor
 from specdec.drafters.base import Proposal, check_k, common_prefix_length, draft_chain
 from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
-from specdec.models.transformer import Transformer
+from specdec.models.transformer import Transformer, soft_cap
 from specdec.sampling import SamplingParams, greedy_tokens, make_generator, process_logits, sample
 
 # Padding differences seen in practice are up to 128 ids (e.g. Qwen2.5 sizes); llama.cpp uses the
@@ -89,12 +98,19 @@ class DraftModelDrafter:
         draft_p_min: float = DEFAULT_DRAFT_P_MIN,
         tokenizer=None,
         target_tokenizer=None,
+        vocab: int | None = None,
     ):
         check_draft_p_min(draft_p_min)
         check_same_vocabulary(target_vocab_size, model.config.vocab_size, target_tokenizer, tokenizer)
         self.model = model
         self.target_vocab_size = target_vocab_size
         self.draft_p_min = float(draft_p_min)
+        # Reduced vocabulary: the kept ids [m] (sorted) and the head over their rows; None = all.
+        self.vocab_ids: Tensor | None = None
+        self._sub_head = None
+        if vocab:
+            self.vocab_ids = frequent_ids(model.config.vocab_size, vocab, special_ids(model, tokenizer))
+            self._sub_head = _rows_of(model.lm_head, self.vocab_ids)
         self._sampling = SamplingParams()
         self._generator: torch.Generator | None = None
         self._cache: KVCache | None = None
@@ -111,6 +127,7 @@ class DraftModelDrafter:
         target_tokenizer=None,
         progress=None,
         quantize: str = "none",
+        vocab: int | None = None,
     ) -> "DraftModelDrafter":
         """Load a draft model from an HF folder or a .gguf file (converted once, as for targets).
 
@@ -121,8 +138,9 @@ class DraftModelDrafter:
         from specdec.tokenizer import Tokenizer
 
         check_draft_p_min(draft_p_min)  # before the slow part
+        check_vocab(vocab)
         model, folder = loader.load(source, dtype, device, progress, quantize=quantize)
-        return cls(model, target_vocab_size, draft_p_min, Tokenizer.from_folder(folder), target_tokenizer)
+        return cls(model, target_vocab_size, draft_p_min, Tokenizer.from_folder(folder), target_tokenizer, vocab)
 
     # -- protocol -------------------------------------------------------------------------------
 
@@ -210,9 +228,17 @@ class DraftModelDrafter:
         # only make the draft worse, never the output wrong (verification decides).
         ids = torch.tensor([[t if t < vocab else 0 for t in new]], device=self.device)  # [1, T]
         positions = torch.arange(start, start + len(new), device=self.device)[None]  # [1, T]
-        logits, _ = self.model(ids, positions, self._cache, last_n=1, need_hidden=False)
+        if self._sub_head is None:
+            logits, _ = self.model(ids, positions, self._cache, last_n=1, need_hidden=False)
+            self._tokens.extend(new)
+            return self._to_target_vocab(logits[0, -1])
+        _, hidden = self.model(ids, positions, self._cache, last_n=0)  # no full head
         self._tokens.extend(new)
-        return self._to_target_vocab(logits[0, -1])
+        with torch.inference_mode():
+            sub = soft_cap(self._sub_head(hidden[0, -1:]).float(), self.model.config.final_logit_softcap)[0]
+            full = sub.new_full((self.model.config.vocab_size,), -math.inf)
+            full[self.vocab_ids] = sub
+        return self._to_target_vocab(full)
 
     def _to_target_vocab(self, logits: Tensor) -> Tensor:
         """logits [draft_vocab] -> [target_vocab]: drop ids the target lacks, -inf for ids the draft lacks."""
@@ -237,6 +263,45 @@ class DraftModelDrafter:
         grown.positions[:, :n] = cache.positions[:, :n]
         grown.truncate(n)
         self._cache = grown
+
+
+def check_vocab(vocab) -> None:
+    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0):
+        raise InvalidRequestError(f"the draft vocabulary must be a number of ids >= 0 (0 = all), got {vocab!r}",
+                                  param="draft_vocab")
+
+
+def special_ids(model: Transformer, tokenizer=None) -> list[int]:
+    """Ids a reduced draft vocabulary always keeps: the EOS ids and the tokenizer's added tokens
+    (end of turn, chat markers), which a chat answer needs to end."""
+    ids = set(model.config.eos_token_ids)
+    hf = getattr(tokenizer, "_tok", None)
+    ids.update(getattr(hf, "added_tokens_decoder", None) or {})
+    rust = getattr(tokenizer, "_rust", None)
+    if rust is not None:
+        ids.update(rust.get_added_tokens_decoder())
+    return sorted(i for i in ids if 0 <= i < model.config.vocab_size)
+
+
+def frequent_ids(vocab_size: int, n: int, keep: Sequence[int] = ()) -> Tensor:
+    """The first `n` ids and `keep`, sorted (int64)."""
+    return torch.tensor(sorted(set(range(min(n, vocab_size))) | set(keep)), dtype=torch.long)
+
+
+def _rows_of(head, ids: Tensor):
+    """A head that scores rows `ids` of `head` only, with the same numbers for them."""
+    from specdec.models.quant import Int8Linear
+
+    bias = None if head.bias is None else head.bias.data[ids]
+    if isinstance(head, Int8Linear):
+        return Int8Linear.from_int8(head.int8_rows(ids).contiguous(), head.weight_scale[ids].contiguous(), bias)
+    sub = torch.nn.Linear(head.in_features, len(ids), bias=bias is not None, device=head.weight.device,
+                          dtype=head.weight.dtype)
+    with torch.no_grad():
+        sub.weight.copy_(head.weight[ids])
+        if bias is not None:
+            sub.bias.copy_(bias)
+    return sub.requires_grad_(False)
 
 
 def check_draft_p_min(draft_p_min: float) -> None:
