@@ -119,3 +119,41 @@ def test_models_lists_the_presets(capsys):
         assert "pip install" in row["install"]
     assert main(["models"]) == 0
     assert "qwen2.5-coder-0.5b-instruct  [" in capsys.readouterr().out
+
+
+def test_llama_speculative_runner_parses_the_programs_output(chat_folder, tmp_path):
+    """The `llama-spec` peer on a stand-in program that prints what llama-speculative prints."""
+    import stat
+    import sys
+    from pathlib import Path
+
+    from specdec.bench import configs as C
+    from specdec.bench.runner import LlamaSpeculativeRunner, llama_speculative_binary
+    from specdec.tokenizer import Tokenizer
+
+    fake = tmp_path / "llama-speculative"
+    fake.write_text(f"""#!{sys.executable}
+import sys
+args = sys.argv[1:]
+open({str(tmp_path / 'args.txt')!r}, "w").write("\\n".join(args))
+prompt = args[args.index("-p") + 1]
+sys.stdout.write("\\n\\n" + prompt + "def f(x): return x\\n\\n\\n")
+sys.stderr.write("encoded   12 tokens in    0.250 seconds, speed:   48.000 t/s\\n"
+                 "decoded   18 tokens in    1.500 seconds, speed:   12.000 t/s\\n\\n"
+                 "n_draft   = 4\\nn_predict = 18\\nn_drafted = 20\\nn_accept  = 13\\naccept    = 65.000%\\n")
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    config = C.parse_config(f"llama-spec:k=3:bin={fake}:model=d.gguf")
+    assert config.k == 3 and llama_speculative_binary(config) == str(fake)
+    tok = Tokenizer.from_folder(chat_folder)
+    ids = tuple(tok.encode_chat([{"role": "user", "content": "hi"}]))
+    runner = LlamaSpeculativeRunner(config, str(fake), Path("t.gguf"), Path("d.gguf"), 1, 64, tok)
+    run = runner.generate(ids, 18)
+    args = (tmp_path / "args.txt").read_text().split("\n")
+    assert args[args.index("-p") + 1] == "<user>hi|<assistant>"  # the ids' text, special tokens and all
+    assert args[args.index("--draft-max") + 1] == "3" and args[args.index("-md") + 1] == "d.gguf"
+    assert run.token_ids == tok.encode_plain("def f(x): return x")
+    assert (run.new_tokens, run.wall_s, run.draft_tokens, run.accepted_tokens) == (18, 1.75, 20, 13)
+    fake.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
+    with pytest.raises(Exception, match="llama-speculative failed \\(exit 3\\): broken"):
+        runner.generate(ids, 18)

@@ -21,6 +21,9 @@ An option is `key=value` or a bare flag (`adaptive`). Examples::
     hf-assist:model=PATH:k=5   HF assisted generation with a draft model (assistant_model)
     llama-cpp                  llama-cpp-python on the GGUF, plain greedy
     llama-cpp-lookup:k=10      llama-cpp-python with its prompt-lookup drafter
+    llama-spec:k=4             llama.cpp's `llama-speculative` program with a draft model (model=, or the
+                               draft model of draft configurations), greedy; bin=PATH, else
+                               $SPECDEC_LLAMA_SPECULATIVE or llama-speculative on the PATH
 
 The label of a configuration is its text as written, so it is what the tables show. Parsing is pure
 (no models are touched), so a bad list fails at once, before anything slow.
@@ -53,6 +56,7 @@ KINDS: dict[str, tuple[str, dict[str, object]]] = {
     "hf-assist": ("hf", {"k": int, "adaptive": "flag", "model": str, "dtype": _DTYPE}),
     "llama-cpp": ("llama-cpp", {"threads": int, "model": str}),
     "llama-cpp-lookup": ("llama-cpp", {"k": int, "n": int, "threads": int, "model": str}),
+    "llama-spec": ("llama-cpp", {"k": int, "threads": int, "model": str, "bin": str}),
 }
 
 # Defaults per kind where an option is left out. specdec's k matches Engine's default; the HF and
@@ -60,7 +64,7 @@ KINDS: dict[str, tuple[str, dict[str, object]]] = {
 DEFAULTS: dict[str, dict[str, object]] = {
     "ngram": {"k": 5}, "suffix": {"k": 5}, "draft": {"k": 5}, "eagle": {"k": 5},
     "hf-lookup": {"k": 10, "n": 2}, "hf-assist": {"k": 5},
-    "llama-cpp-lookup": {"k": 10, "n": 2},
+    "llama-cpp-lookup": {"k": 10, "n": 2}, "llama-spec": {"k": 4},
 }
 
 DEFAULT_CONFIGS = "plain,ngram:k=5,suffix:k=5,hf,hf-lookup,llama-cpp,llama-cpp-lookup"
@@ -150,7 +154,7 @@ def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
             raise InvalidRequestError(f"{item!r}: {exc}", "configs") from None
         if options.get("adaptive") or options.get("cost"):
             raise InvalidRequestError(f"{item!r}: a tree has a fixed shape; drop adaptive / cost", "configs")
-    if kind in ("draft", "hf-assist"):
+    if kind in ("draft", "hf-assist", "llama-spec"):
         options.setdefault("model", draft_model)
         if not options["model"]:
             raise InvalidRequestError(f"{item!r} needs a draft model: add :model=PATH or pass --draft-model PATH",

@@ -325,6 +325,64 @@ class LlamaCppRunner:
         return Run(self.config.label, "", "", 0, len(ids), len(new), wall, new)
 
 
+class LlamaSpeculativeRunner:
+    """llama.cpp's `llama-speculative` program (target + draft model, greedy), one process per run.
+
+    It takes text, so the prompt's ids go as their text with the special tokens spelled out (the
+    program parses them back); its own log gives the timings (prompt encoding + decoding, not the
+    model loads) and the draft counts. It prints text, not ids: the output is tokenised again with
+    the target's tokenizer, so identity with plain decoding is as exact as that round trip.
+    """
+
+    def __init__(self, config: BenchConfig, binary: str, gguf: Path, draft: Path, threads: int, n_ctx: int,
+                 tokenizer):
+        self.config, self.binary, self.gguf, self.draft = config, binary, gguf, draft
+        self.threads, self.n_ctx, self.tokenizer = threads, n_ctx, tokenizer
+
+    def new_pass(self) -> None:
+        pass
+
+    def command(self, prompt: str, max_new: int) -> list[str]:
+        t = str(self.threads)
+        return [self.binary, "-m", str(self.gguf), "-md", str(self.draft), "-p", prompt, "-n", str(max_new),
+                "-c", str(self.n_ctx), "-t", t, "-tb", t, "-td", t, "-tbd", t, "--draft-max", str(self.config.k),
+                "--temp", "0", "--top-k", "1", "--seed", "0", "-ngl", "0", "-ngld", "0"]
+
+    def generate(self, ids: tuple[int, ...], max_new: int) -> Run:
+        import re
+        import subprocess
+
+        prompt = self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        res = subprocess.run(self.command(prompt, max_new), capture_output=True, text=True, errors="replace")
+        log = res.stdout + "\n" + res.stderr
+        timing = {k: re.search(rf"{k}\s+(\d+) tokens in\s+([\d.]+) seconds", log) for k in ("encoded", "decoded")}
+        if res.returncode != 0 or None in timing.values():
+            tail = " | ".join(log.strip().splitlines()[-3:])
+            raise SpecdecError(f"{self.config.label}: llama-speculative failed (exit {res.returncode}): {tail}")
+        counts = {k: int(m.group(1)) for k in ("n_drafted", "n_accept") if (m := re.search(rf"{k}\s*=\s*(\d+)", log))}
+        # stdout: the prompt's pieces, then the output's, between blank lines.
+        text = res.stdout
+        start = text.find(prompt)
+        text = text[start + len(prompt):] if start >= 0 else text
+        text = text.split("\n\n\n", 1)[0].removesuffix("\n\n")
+        new = self.tokenizer.encode_plain(text) if text else []
+        decoded = int(timing["decoded"].group(1))
+        wall = float(timing["encoded"].group(2)) + float(timing["decoded"].group(2))
+        run = Run(self.config.label, "", "", 0, len(ids), decoded, wall, new[:decoded])
+        run.draft_tokens, run.accepted_tokens = counts.get("n_drafted", 0), counts.get("n_accept", 0)
+        return run
+
+
+def llama_speculative_binary(config: BenchConfig) -> str | None:
+    import os
+    import shutil
+
+    explicit = config.options.get("bin") or os.environ.get("SPECDEC_LLAMA_SPECULATIVE")
+    if explicit:
+        return explicit if Path(explicit).expanduser().is_file() else None
+    return shutil.which("llama-speculative")
+
+
 def canonical_dtype(device: str) -> Callable[..., str]:
     """(dtype name, quantisation) -> the torch dtype it resolves to on `device`, as a name ("auto" ->
     "float32")."""
@@ -379,12 +437,13 @@ def _gguf_for(settings: Settings, config: BenchConfig) -> Path | None:
     """The GGUF file a llama.cpp peer runs: model=PATH, else the target when it is a GGUF."""
     from ..models import loader
 
-    if config.options.get("model"):
-        return Path(config.options["model"]).expanduser()
-    if settings.model == "default":
-        return loader.default_model_path()
     from ..models import presets
 
+    if config.options.get("model"):
+        model = config.options["model"]
+        return presets.path(model) if presets.is_preset(model) else Path(model).expanduser()
+    if settings.model == "default":
+        return loader.default_model_path()
     if presets.is_preset(settings.model):
         return presets.path(settings.model)
     path = Path(settings.model).expanduser()
@@ -473,6 +532,25 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
                 assistant = _load_hf(loader.resolve(c.options["model"], _load_progress(log)), dtype, device)
             runners[c.label] = HFRunner(c, hf_models[dtype], eos, device, assistant)
             described[c.label] = f"HF transformers {dtype}"
+        elif c.kind == "llama-spec":
+            binary = llama_speculative_binary(c)
+            gguf, draft = _gguf_for(settings, BenchConfig(c.label, "llama-cpp", {})), _gguf_for(settings, c)
+            why = None
+            if binary is None:
+                why = ("llama.cpp's llama-speculative program was not found (bin=PATH, $SPECDEC_LLAMA_SPECULATIVE "
+                       "or the PATH)")
+            elif gguf is None or draft is None or not gguf.is_file() or not draft.is_file():
+                why = "needs the target and the draft model as GGUF files"
+            elif tokenizer is None:
+                why = "needs the target's tokenizer"
+            if why:
+                skipped[c.label] = why
+                log(f"skipping {c.label}: {why}")
+                continue
+            threads = int(c.options.get("threads") or torch.get_num_threads())
+            n_ctx = max(len(ids) for ids in prompt_ids) + settings.max_tokens + c.k + 8
+            runners[c.label] = LlamaSpeculativeRunner(c, binary, gguf, draft, threads, n_ctx, tokenizer)
+            described[c.label] = f"llama.cpp llama-speculative {gguf.name} + {draft.name}"
         elif c.family == "llama-cpp":
             try:
                 import llama_cpp  # noqa: F401
