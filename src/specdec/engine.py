@@ -125,9 +125,11 @@ def make_drafter(name: str, target: Transformer | None = None, target_tokenizer:
         raise ValueError("a draft model is made for a loaded target: pass `target`")
     weight = target.embed_tokens.weight
     p_min = DEFAULT_DRAFT_P_MIN if draft_p_min is None else draft_p_min
-    return DraftModelDrafter.load(path, target.config.vocab_size, weight.dtype, weight.device, p_min,
-                                  target_tokenizer, progress, quantize=draft_quantize_for(draft_quantize, target),
-                                  vocab=draft_vocab)
+    drafter = DraftModelDrafter.load(path, target.config.vocab_size, weight.dtype, weight.device, p_min,
+                                     target_tokenizer, progress, quantize=draft_quantize_for(draft_quantize, target),
+                                     vocab=draft_vocab)
+    drafter.measure_cost(target)  # what the cost-aware draft length charges per draft token
+    return drafter
 
 
 def draft_quantize_for(draft_quantize: str | None, target: Transformer) -> str:
@@ -574,8 +576,23 @@ class Engine:
             cost = cost if self.verify_cost is None else self.verify_cost
             overhead = overhead if self.verify_overhead is None else self.verify_overhead
             share = SCREENED_SHARE.get(self._hardware_kind(), 0.0) if self.screen_verify and greedy else 0.0
+            priced = self._draft_costs()
+            if priced:
+                from .drafters.draft_model import PricedDraftLength
+
+                return PricedDraftLength(self.k, cost, overhead, share, draft_costs=priced)
             return CostAwareDraftLength(self.k, cost, overhead, share)
         return None
+
+    def _draft_costs(self) -> dict:
+        """Proposal source -> the measured cost of one draft token (a draft model's `draft_cost`),
+        for the kinds a model drafts: the drafter's own (None) or, after lookup, LEARNED."""
+        drafter = self.drafter
+        learned = getattr(drafter, "learned", None)
+        cost = getattr(learned if learned is not None else drafter, "draft_cost", None)
+        if not cost:
+            return {}
+        return {LEARNED if learned is not None else None: cost}
 
     def _hardware_kind(self) -> str:
         """The DEFAULT_VERIFY_COSTS row for this target: cuda, cpu-int8 or cpu."""
@@ -607,12 +624,19 @@ class Engine:
             # the rule may keep, then keep what it wants for that kind.
             k = length.k_max
         else:
-            k = max(1, length.next_k())  # a model drafter drafts at least one token
+            # A model drafter drafts at least one token, unless its price is known and its measured
+            # acceptance does not pay for it: then this is a plain step.
+            k = length.next_k() if self._draft_costs() else max(1, length.next_k())
+            if k == 0:
+                return TokenTree([], []), None, None
         k = min(k, allowance)
-        if isinstance(drafter, LookupFirstDrafter):
+        if isinstance(drafter, LookupFirstDrafter) or hasattr(drafter, "learned"):
             # Where lookup finds nothing, the learned drafter drafts what the rule wants for its
-            # kind (a fixed length: k).
-            proposal = drafter.propose(context, k, fallback_k=k if length is None else max(1, length.next_k(LEARNED)))
+            # kind (a fixed length: k; a priced drafter whose drafts do not pay: none).
+            fallback = k if length is None else length.next_k(LEARNED)
+            if not self._draft_costs():
+                fallback = max(1, fallback)
+            proposal = drafter.propose(context, k, fallback_k=fallback)
         else:
             proposal = drafter.propose(context, k)
         if length is not None:

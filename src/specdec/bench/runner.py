@@ -171,9 +171,9 @@ class TimedDrafter:
     def begin(self, prompt_ids, sampling=None, generator=None) -> None:
         self.inner.begin(prompt_ids, sampling, generator)
 
-    def propose(self, context: list[int], k: int):
+    def propose(self, context: list[int], k: int, **options):
         start = time.perf_counter()
-        proposal = self.inner.propose(context, k)
+        proposal = self.inner.propose(context, k, **options)  # (lookup + learned: fallback_k)
         self.seconds += time.perf_counter() - start
         return proposal
 
@@ -664,6 +664,7 @@ def _drafter_factory(c: BenchConfig, base, drafts: dict, log) -> Callable[[], ob
     p_min = c.options.get("p_min", DEFAULT_DRAFT_P_MIN)
     drafter = DraftModelDrafter(model, base.model.config.vocab_size, p_min, tokenizer, base.tokenizer,
                                 c.options.get("vocab"))
+    drafter.measure_cost(base.model)  # the cost-aware draft length's price of a draft token
     if c.options.get("lookup"):  # prompt lookup first, the draft model where it finds nothing
         return lambda: lookup_first(lookup_drafter(c.options["lookup"], {}), drafter)
     return lambda: drafter

@@ -44,6 +44,12 @@ the distribution over the kept ids that the token was really drawn from. Verific
 (the target scores its full vocabulary), so the output stays exact; only acceptance can drop, where
 the target's token is one the draft cannot name.
 
+Price. Each draft token costs a forward of the draft model, which a lookup drafter's does not.
+`measure_cost(target)` times one-token steps of both models and keeps the ratio in `draft_cost`;
+the engine's cost-aware draft length then charges it per drafted token (`PricedDraftLength`), so
+the draft model drafts only where its measured acceptance pays for both its own forwards and the
+wider verify pass, and not at all where it does not.
+
 Vocabularies. The target's vocabulary is the one that counts: draft logits for ids the target does
 not have are dropped, ids the draft does not have get -inf (probability 0), so q always has the
 target's vocabulary size. Models of one family are often padded to a round size, so sizes within
@@ -55,12 +61,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from specdec.drafters.base import Proposal, check_k, common_prefix_length, draft_chain
+from specdec.drafters.base import CostAwareDraftLength, Proposal, check_k, common_prefix_length, draft_chain
 from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
 from specdec.models.transformer import Transformer, soft_cap
@@ -105,6 +112,7 @@ class DraftModelDrafter:
         self.model = model
         self.target_vocab_size = target_vocab_size
         self.draft_p_min = float(draft_p_min)
+        self.draft_cost: float | None = None  # one draft token in target steps (`measure_cost`)
         # Reduced vocabulary: the kept ids [m] (sorted) and the head over their rows; None = all.
         self.vocab_ids: Tensor | None = None
         self._sub_head = None
@@ -141,6 +149,30 @@ class DraftModelDrafter:
         check_vocab(vocab)
         model, folder = loader.load(source, dtype, device, progress, quantize=quantize)
         return cls(model, target_vocab_size, draft_p_min, Tokenizer.from_folder(folder), target_tokenizer, vocab)
+
+    def measure_cost(self, target: Transformer, context: int = 64, repeats: int = 5) -> float:
+        """Time one-token steps of the draft and of `target` after a `context`-token prompt, in turns
+        (median of `repeats` each), and keep their ratio in `draft_cost`."""
+        import statistics
+        import time
+
+        ids = [[(101 + 7 * i) % min(target.config.vocab_size, self.model.config.vocab_size) for i in range(context)]]
+        times: dict[int, list[float]] = {0: [], 1: []}
+        caches = []
+        for model in (target, self.model):
+            cache = model.new_cache(1, context + 2)
+            model(torch.tensor(ids, device=self.device), torch.arange(context, device=self.device)[None], cache,
+                  last_n=1, need_hidden=False)
+            caches.append(cache)
+        step, position = torch.tensor([[ids[0][-1]]], device=self.device), torch.tensor([[context]], device=self.device)
+        for _ in range(repeats + 1):  # the first round warms up
+            for i, model in enumerate((target, self.model)):
+                start = time.perf_counter()
+                model(step, position, caches[i], last_n=1, need_hidden=False)
+                times[i].append(time.perf_counter() - start)
+                caches[i].truncate(context)
+        self.draft_cost = statistics.median(times[1][1:]) / statistics.median(times[0][1:])
+        return self.draft_cost
 
     # -- protocol -------------------------------------------------------------------------------
 
@@ -263,6 +295,32 @@ class DraftModelDrafter:
         grown.positions[:, :n] = cache.positions[:, :n]
         grown.truncate(n)
         self._cache = grown
+
+
+@dataclass
+class PricedDraftLength(CostAwareDraftLength):
+    """`CostAwareDraftLength` where the kinds of proposal in `draft_costs` (`Proposal.source` ->
+    the cost of drafting one token, in plain steps) also pay that per drafted token:
+
+        (1 - a^(k+1)) / ((1 - a) (1 + c0 + c k' + d k))      (k': the screened count, as there)
+
+    so a draft model is asked for k = 0 (a plain step, nothing drafted) where its acceptance does
+    not pay for its own forwards."""
+
+    draft_costs: dict = field(default_factory=dict)
+
+    def next_k(self, source: object = None) -> int:
+        d = self.draft_costs.get(source)
+        if not d:
+            return super().next_k(source)
+        a, c, f = self.acceptance(source), self.verify_cost, self.screened_share
+        best_k, best, expected = 0, 1.0, 1.0
+        for k in range(1, self.k_max + 1):
+            expected += a**k
+            value = expected / (1 + self.verify_overhead + c * ((1 - f) * k + f * (expected - 1)) + d * k)
+            if value > best:
+                best_k, best = k, value
+        return best_k
 
 
 def check_vocab(vocab) -> None:

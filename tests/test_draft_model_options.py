@@ -1,5 +1,5 @@
-"""Reduced-vocabulary drafting (FR-Spec): the draft model scores only some ids; the output stays
-exact (greedy identity, and the sampled distribution by a chi-square test)."""
+"""Draft-model options: reduced-vocabulary drafting (FR-Spec; the output stays exact: greedy identity,
+and the sampled distribution by a chi-square test) and the price of a draft token in the cost rule."""
 
 import math
 
@@ -86,3 +86,43 @@ def test_sampling_with_a_reduced_draft_vocabulary_is_exact():
 def test_bad_vocab_is_one_error():
     with pytest.raises(InvalidRequestError, match="draft vocabulary"):
         Engine.load("/no/such/model.gguf", drafter="ngram", draft_vocab=-1)
+
+
+def test_priced_draft_length_charges_each_draft_token():
+    from specdec.drafters.base import CostAwareDraftLength
+    from specdec.drafters.draft_model import PricedDraftLength
+
+    free, priced = CostAwareDraftLength(8, 0.16), PricedDraftLength(8, 0.16, draft_costs={None: 0.3})
+    for rule in (free, priced):
+        rule.update(8, 6)  # a high acceptance so far (~0.8)
+    assert 1 <= priced.next_k() < free.next_k()  # each draft token costs: shorter drafts pay best
+    assert priced.next_k("lookup-kind") == free.next_k("lookup-kind")  # unpriced kinds as before
+    costly = PricedDraftLength(8, 0.16, draft_costs={None: 0.9})
+    costly.update(8, 3)
+    assert costly.next_k() == 0  # drafting does not pay: a plain step
+
+
+@pytest.mark.parametrize("draft,cost", [("self", 0.05), ("noisy", 0.3), ("noisy", 2.0)])
+def test_a_priced_draft_model_drafts_only_where_it_pays(llama, draft, cost):
+    model = llama if draft == "self" else noisy_copy(llama, 0.5, 3)
+    drafter = DraftModelDrafter(model, V)
+    drafter.draft_cost = cost
+    # The cost-aware draft length (the default), a verify pass priced at 1 + 0.1 k plain steps.
+    engine = Engine(llama, None, drafter, 4, verify_cost=0.1, verify_overhead=0.0)
+    plain = Engine(llama, None)
+    for ids in prompts(2):
+        out = engine.generate(prompt_ids=ids, max_new_tokens=32)
+        assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=32).token_ids
+        steps = len(out.steps) - 1
+        if draft == "self":  # cheap and always right: drafts every step
+            assert out.stats.drafts == steps and out.stats.accepted_tokens == out.stats.draft_tokens
+        elif cost < 1:  # often wrong: a few tries, then plain steps without drafting
+            assert 0 < out.stats.drafts < steps / 2
+        else:  # dearer than a target step: never worth a try
+            assert out.stats.drafts == 0
+
+
+def test_measure_cost_times_both_models(llama):
+    drafter = DraftModelDrafter(noisy_copy(llama, 0.1, 1), V)
+    cost = drafter.measure_cost(llama, context=8, repeats=3)
+    assert cost == drafter.draft_cost and 0.05 < cost < 20  # the same architecture: about 1
