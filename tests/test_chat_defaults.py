@@ -37,11 +37,12 @@ def test_quantize_auto_is_int8_on_the_cpu_for_quantised_sources(monkeypatch):
 
 
 def test_drafter_auto_is_lookup_or_the_presets_pair():
-    assert resolve_drafter("auto", "default") == "ngram"
-    assert resolve_drafter("auto", "/models/x.gguf") == "ngram"
-    assert resolve_drafter("auto", "qwen2.5-coder-1.5b-instruct") == "ngram+qwen2.5-coder-0.5b-instruct"
-    assert resolve_drafter("auto", "qwen2.5-coder-0.5b-instruct") == "ngram"  # no pair of its own
-    assert resolve_drafter("none", "qwen2.5-coder-1.5b-instruct") == "none"
+    assert resolve_drafter("auto", "default") == ("ngram", None)
+    assert resolve_drafter("auto", "/models/x.gguf", 0.2) == ("ngram", 0.2)
+    assert resolve_drafter("auto", "qwen2.5-coder-1.5b-instruct") == ("qwen2.5-coder-0.5b-instruct", 0.5)
+    assert resolve_drafter("auto", "qwen2.5-coder-1.5b-instruct", 0.0) == ("qwen2.5-coder-0.5b-instruct", 0.0)
+    assert resolve_drafter("auto", "qwen2.5-coder-0.5b-instruct") == ("ngram", None)  # no pair of its own
+    assert resolve_drafter("none", "qwen2.5-coder-1.5b-instruct") == ("none", None)
 
 
 def test_engine_load_defaults_on_a_float_folder(chat_folder):

@@ -158,12 +158,13 @@ def test_a_preset_pair_loads_through_engine_load(env, tmp_path):
     register(fake_preset(data, 3, name="fake-draft"))
     register(fake_preset(data, 3, name="fake-target", draft="fake-draft"))
     assert draft_model_path("fake-draft") == presets.cached_path(presets.get("fake-draft"))
-    assert resolve_drafter("auto", "fake-target") == "ngram+fake-draft"
-    assert resolve_drafter("auto", "some/folder") == "ngram"
-    engine = Engine.load("fake-target", drafter="auto", dtype="float32", quantize="none",
+    assert resolve_drafter("auto", "fake-target") == ("fake-draft", None)
+    engine = Engine.load("fake-target", drafter="ngram+fake-draft", dtype="float32", quantize="none",
                          num_speculative_tokens=3, draft_length="fixed")
     assert isinstance(engine.drafter, LookupFirstDrafter)
-    alone = Engine(engine.model, None, DraftModelDrafter(engine.drafter.learned.model, 96), 3, "fixed")
+    alone = Engine.load("fake-target", dtype="float32", quantize="none", num_speculative_tokens=3,
+                        draft_length="fixed")  # drafter "auto": the pair
+    assert isinstance(alone.drafter, DraftModelDrafter) and alone.drafter.draft_cost > 0
     ids = [5, 9, 11, 40, 2, 17]
     plain = engine.generate(prompt_ids=ids, max_new_tokens=20, speculative=False)
     for e in (engine, alone):

@@ -160,16 +160,18 @@ def resolve_quantize(quantize: str, device: str, target: str) -> str:
     return "int8" if device == "cpu" and cpu_int8_available() and source_is_quantised(target) else "none"
 
 
-def resolve_drafter(drafter: str, target: str) -> str:
-    """"auto" -> the preset target's paired draft model (after prompt lookup: `ngram+DRAFT`), else
-    prompt lookup, which the cost-aware draft length turns down where it finds nothing to copy."""
+def resolve_drafter(drafter: str, target: str, draft_p_min: float | None = None) -> tuple[str, float | None]:
+    """(drafter, draft_p_min): "auto" -> a preset target's paired draft model, with the pair's
+    confidence cut-off unless one is given (chat answers have little to copy: prompt lookup first
+    measured slower, its weak matches taking the place of the model's drafts); else prompt lookup,
+    which the cost-aware draft length turns down where it finds nothing to copy."""
     from .models import presets
 
     if drafter != "auto":
-        return drafter
-    if presets.is_preset(str(target)) and (pair := presets.get(str(target)).draft):
-        return f"ngram+{pair}"
-    return "ngram"
+        return drafter, draft_p_min
+    if presets.is_preset(str(target)) and (pair := presets.get(str(target))).draft:
+        return pair.draft, pair.draft_p_min if draft_p_min is None else draft_p_min
+    return "ngram", draft_p_min
 
 
 def _no_trees(name: str) -> InvalidRequestError:
@@ -397,12 +399,12 @@ class Engine:
         is int8 on the CPU for a source that is already quantised (`resolve_quantize`).
 
         `drafter="auto"` (the default) is prompt lookup, or for a preset target with a paired draft
-        model, prompt lookup then that draft model (`resolve_drafter`). `draft_quantize` sets the
+        model, that draft model (`resolve_drafter`). `draft_quantize` sets the
         draft model's quantisation (default: the target's).
         """
         device = resolve_device(device)
         quantize = resolve_quantize(quantize, device, target)
-        drafter = resolve_drafter(drafter, target)
+        drafter, draft_p_min = resolve_drafter(drafter, target, draft_p_min)
         if draft_quantize not in (None, "auto"):
             check_quantize(draft_quantize, device)
         from .drafters.draft_model import check_vocab

