@@ -152,7 +152,7 @@ sys.stderr.write("encoded   12 tokens in    0.250 seconds, speed:   48.000 t/s\\
     run = runner.generate(ids, 18)
     args = (tmp_path / "args.txt").read_text().split("\n")
     assert args[args.index("-p") + 1] == "<user>hi|<assistant>"  # the ids' text, special tokens and all
-    assert args[args.index("--draft-max") + 1] == "3" and args[args.index("-md") + 1] == "d.gguf"
+    assert args[args.index("--spec-draft-n-max") + 1] == "3" and args[args.index("-md") + 1] == "d.gguf"
     assert run.token_ids == tok.encode_plain("def f(x): return x")
     assert (run.new_tokens, run.wall_s, run.draft_tokens, run.accepted_tokens) == (18, 1.75, 20, 13)
     fake.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")

@@ -345,7 +345,7 @@ class LlamaSpeculativeRunner:
     def command(self, prompt: str, max_new: int) -> list[str]:
         t = str(self.threads)
         return [self.binary, "-m", str(self.gguf), "-md", str(self.draft), "-p", prompt, "-n", str(max_new),
-                "-c", str(self.n_ctx), "-t", t, "-tb", t, "-td", t, "-tbd", t, "--draft-max", str(self.config.k),
+                "-c", str(self.n_ctx), "-t", t, "-tb", t, "-td", t, "-tbd", t, "--spec-draft-n-max", str(self.config.k),
                 "--temp", "0", "--top-k", "1", "--seed", "0", "-ngl", "0", "-ngld", "0"]
 
     def generate(self, ids: tuple[int, ...], max_new: int) -> Run:
@@ -368,7 +368,8 @@ class LlamaSpeculativeRunner:
         new = self.tokenizer.encode_plain(text) if text else []
         decoded = int(timing["decoded"].group(1))
         wall = float(timing["encoded"].group(2)) + float(timing["decoded"].group(2))
-        run = Run(self.config.label, "", "", 0, len(ids), decoded, wall, new[:decoded])
+        # It may overshoot -n by an accepted draft; its rate counts every token it decoded.
+        run = Run(self.config.label, "", "", 0, len(ids), decoded, wall, new[:max_new])
         run.draft_tokens, run.accepted_tokens = counts.get("n_drafted", 0), counts.get("n_accept", 0)
         return run
 
