@@ -64,7 +64,7 @@ def tiny_models(tmp_path_factory):
 def default_engine_fp32():
     from specdec import Engine
 
-    return Engine.load(target="default", dtype="float32")
+    return Engine.load(target="default", drafter="none", dtype="float32", quantize="none")
 
 
 @pytest.fixture(scope="module")

@@ -211,8 +211,10 @@ def test_engine_load_with_draft_model_path(tiny, tmp_path):
     import transformers as T
 
     m = tiny["llama"]
+    # A fixed length: the target as its own draft costs as much as a target step, which the
+    # (default) cost-aware length, charging the draft's measured price, would never draft.
     engine = Engine.load(str(m["folder"]), drafter=str(m["folder"]), num_speculative_tokens=3, dtype="float32",
-                         draft_p_min=0.0)
+                         draft_p_min=0.0, draft_length="fixed")
     assert isinstance(engine.drafter, DraftModelDrafter) and engine.drafter.draft_p_min == 0.0
     ids = prompts(1)[0]
     out = engine.generate(prompt_ids=ids, max_new_tokens=16)

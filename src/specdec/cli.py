@@ -17,21 +17,37 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a continuation of a prompt")
-    gen.add_argument("--prompt", help="prompt text")
+    gen.add_argument("--prompt", help="prompt text (with --chat: the user's message)")
+    gen.add_argument("--message", help="a user message, rendered with the model's chat template (implies --chat)")
+    gen.add_argument("--system", help="a system message before the user's (implies --chat)")
+    gen.add_argument("--chat", action="store_true",
+                     help="render the prompt with the model's chat template (as /v1/chat/completions does) and "
+                          "stop at the end of the assistant's turn")
     gen.add_argument("--prompt-ids", help="comma-separated token ids (for models without a tokenizer)")
-    gen.add_argument("--model", default="default", help="HF folder or .gguf file (default: Gemma 3 270M)")
-    gen.add_argument("--drafter", default="none",
-                     help="none | ngram | suffix | eagle (the shipped head of the default model) | "
-                          "eagle:DIR (a trained head) | PATH of a draft model (HF folder or .gguf) "
+    gen.add_argument("--model", default="default",
+                     help="HF folder, .gguf file, or a named model (`specdec models`, e.g. qwen2.5-coder-1.5b-instruct) "
+                          "(default: Gemma 3 270M)")
+    gen.add_argument("--drafter", default="auto",
+                     help="auto (default: for a named model with a paired draft model, that draft model with "
+                          "its confidence cut-off; otherwise prompt lookup, ngram; the cost-aware draft length "
+                          "drafts only where it pays, a draft model's tokens priced at its measured cost) | none | ngram | suffix | eagle (the shipped head of the default model) | "
+                          "eagle:DIR (a trained head) | a named model or the PATH of a draft model (HF folder or .gguf) "
                           "sharing the vocabulary | ngram+eagle, suffix+eagle, ngram+PATH... (lookup "
                           "where it finds a match, the learned drafter where it does not)")
     gen.add_argument("--draft-p-min", type=float, default=None,
                      help="draft model: stop drafting below this top probability (0 = off)")
-    gen.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+    gen.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                      help="int8: int8 weights for every linear and the output head, activations on two "
                           "7-bit planes per row (CPU, fbgemm); changes the target, plain and "
                           "speculative then share it; int4: the decoder layers' weights on 4 bits in "
-                          "groups of 32 (head int8), 5/8 of int8's bytes")
+                          "groups of 32 (head int8), 5/8 of int8's bytes. auto (default): int8 on the CPU "
+                          "when the weights come quantised already (the default model, a named model, a "
+                          ".gguf file), else none")
+    gen.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8", "int4"],
+                     help="the draft model's quantisation (auto, the default: the target's)")
+    gen.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                     help="the draft model scores only its N most frequent ids (FR-Spec; 0 = all); lossless, "
+                          "the target still verifies over its full vocabulary")
     gen.add_argument("-k", "--num-speculative-tokens", type=int, default=5,
                      help="draft tokens per step (the most, with --draft-length cost)")
     gen.add_argument("--draft-length", default=None, choices=["fixed", "adaptive", "cost"],
@@ -86,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 SUBCOMMANDS = [
     ("serve", "specdec.server.cli", "run the OpenAI-compatible HTTP server"),
     ("bench", "specdec.bench.cli", "benchmark configurations on Spec-Bench prompts"),
+    ("models", "specdec.models.presets", "list the named models (--model / --drafter NAME) and whether they are installed"),
     ("train-draft", "specdec.train",
      "train a drafter for a target by self-distillation: an EAGLE-style head or a small draft model"),
 ]
@@ -139,10 +156,20 @@ def _generate(args) -> int:
             prompt_ids = [int(x) for x in args.prompt_ids.split(",")]
         except ValueError:
             raise SpecdecError("--prompt-ids must be comma-separated integers") from None
-    if (args.prompt is None) == (prompt_ids is None):
+    chat = args.chat or args.message is not None or args.system is not None
+    if args.message is not None and args.prompt is not None:
+        raise SpecdecError("give the user's message once: --message or --prompt")
+    if chat and prompt_ids is not None:
+        raise SpecdecError("--chat renders text through the chat template: give --message or --prompt, not --prompt-ids")
+    user = args.message if args.message is not None else args.prompt
+    if chat and user is None:
+        raise SpecdecError("--chat needs the user's message: --message TEXT")
+    if not chat and (args.prompt is None) == (prompt_ids is None):
         raise SpecdecError("give exactly one of --prompt or --prompt-ids")
-    if args.prompt is not None:  # before the load: invalid UTF-8 in an argument is a lone surrogate here
-        check_text(args.prompt, "--prompt", "prompt")
+    # Before the load: invalid UTF-8 in an argument is a lone surrogate here.
+    for flag, text in (("--prompt", args.prompt), ("--message", args.message), ("--system", args.system)):
+        if text is not None:
+            check_text(text, flag, "prompt")
     for stop in args.stop or ():
         check_text(stop, "--stop", "stop")
     if args.stream and (args.json or args.compare):
@@ -166,8 +193,17 @@ def _generate(args) -> int:
     engine = Engine.load(args.model, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
                          device=args.device, dtype=args.dtype, draft_length=args.draft_length, progress=_progress,
                          draft_p_min=args.draft_p_min, quantize=args.quantize,
-                         draft_tree=args.tree, verify_cost=args.verify_cost, verify_overhead=args.verify_overhead)
-    kwargs = dict(prompt=args.prompt, prompt_ids=prompt_ids, max_new_tokens=args.max_tokens, sampling=sampling,
+                         draft_tree=args.tree, verify_cost=args.verify_cost, verify_overhead=args.verify_overhead,
+                         draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab)
+    prompt = args.prompt
+    if chat:
+        if engine.tokenizer is None:
+            raise SpecdecError("--chat: this model has no tokenizer, so no chat template")
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
+            [{"role": "user", "content": user}]
+        # The reply ends at the template's end-of-turn token, which is the model's EOS (Qwen's <|im_end|>).
+        prompt, prompt_ids = None, engine.tokenizer.encode_chat(messages)
+    kwargs = dict(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=args.max_tokens, sampling=sampling,
                   stop=args.stop, structured=structured)
     if args.compare:
         engine.generate(**{**kwargs, "max_new_tokens": 4})  # warm-up so the first timing is fair
@@ -184,7 +220,7 @@ def _generate(args) -> int:
             print(json.dumps(result))
             return 0
         print(f"--- plain ({plain.stats.tokens_per_s:.1f} tokens/s)\n{plain.text}")
-        print(f"--- speculative, drafter {args.drafter} ({spec.stats.tokens_per_s:.1f} tokens/s, "
+        print(f"--- speculative, drafter {getattr(engine.drafter, 'name', 'none')} ({spec.stats.tokens_per_s:.1f} tokens/s, "
               f"mean accepted length {spec.stats.mean_accepted_length:.2f})\n{spec.text}")
         print(f"--- speedup {result['speedup']:.2f}x; texts identical: {result['identical']}")
         return 0

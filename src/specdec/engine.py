@@ -81,10 +81,15 @@ def resolve_device(device: str) -> str:
 def draft_model_path(name: str | None) -> Path | None:
     """The path of the draft model `name` names, or None for none / ngram / suffix.
 
-    Raises for a name that is neither a lookup drafter nor an existing folder or file.
+    A preset name (`specdec models`) is its assembled GGUF file. Raises for a name that is neither
+    a lookup drafter, a preset nor an existing folder or file.
     """
+    from .models import presets
+
     if name in ("none", "", None, "ngram", "suffix"):
         return None
+    if presets.is_preset(name):
+        return presets.path(name)
     if (parts := split_name(name)) is not None:  # ngram+LEARNED: the learned drafter's path
         if parts[1] in ("none", "", "ngram", "suffix") or split_name(parts[1]):
             raise InvalidRequestError(f"drafter {name!r}: after {parts[0]}+ comes a learned drafter (eagle, "
@@ -95,16 +100,21 @@ def draft_model_path(name: str | None) -> Path | None:
     path = Path(name).expanduser()
     if not path.exists():
         raise InvalidRequestError(
-            f"unknown drafter {name!r}; choose none, ngram, suffix or the path of a draft model "
-            "(HF folder or .gguf file)", "drafter")
+            f"unknown drafter {name!r}; choose none, ngram, suffix, a model preset ({', '.join(presets.PRESETS)}) "
+            "or the path of a draft model (HF folder or .gguf file)", "drafter")
     return path
 
 
 def make_drafter(name: str, target: Transformer | None = None, target_tokenizer: Tokenizer | None = None,
-                 draft_p_min: float | None = None, progress=None) -> Drafter | None:
+                 draft_p_min: float | None = None, progress=None, draft_quantize: str | None = None,
+                 draft_vocab: int | None = None) -> Drafter | None:
     """none | ngram | suffix, or a draft model path: loaded on `target`'s device in its dtype.
 
     `draft_p_min` is the draft model's confidence cut-off (None = its default, 0 = off).
+    `draft_quantize` is the draft model's quantisation: None or "auto" = the target's (an int8
+    target gets an int8 draft, whose every draft token then costs int8 products too).
+    `draft_vocab` N > 0: the draft model scores only its N most frequent ids (FR-Spec; see
+    `drafters/draft_model.py`), still lossless.
     """
     from .drafters.draft_model import DEFAULT_DRAFT_P_MIN, DraftModelDrafter, check_draft_p_min
 
@@ -112,7 +122,7 @@ def make_drafter(name: str, target: Transformer | None = None, target_tokenizer:
         check_draft_p_min(draft_p_min)
     if (parts := split_name(name)) is not None:
         draft_model_path(name)  # the learned part must be one
-        learned = make_drafter(parts[1], target, target_tokenizer, draft_p_min, progress)
+        learned = make_drafter(parts[1], target, target_tokenizer, draft_p_min, progress, draft_quantize, draft_vocab)
         return lookup_first(make_drafter(parts[0]), learned)
     if is_eagle_name(name):
         if target is None:
@@ -132,8 +142,53 @@ def make_drafter(name: str, target: Transformer | None = None, target_tokenizer:
         raise ValueError("a draft model is made for a loaded target: pass `target`")
     weight = target.embed_tokens.weight
     p_min = DEFAULT_DRAFT_P_MIN if draft_p_min is None else draft_p_min
-    return DraftModelDrafter.load(path, target.config.vocab_size, weight.dtype, weight.device, draft_p_min=p_min,
-                                  target_tokenizer=target_tokenizer, progress=progress)
+    drafter = DraftModelDrafter.load(path, target.config.vocab_size, weight.dtype, weight.device, draft_p_min=p_min,
+                                     target_tokenizer=target_tokenizer, progress=progress,
+                                     quantize=draft_quantize_for(draft_quantize, target), vocab=draft_vocab)
+    drafter.measure_cost(target)  # the policy's first price of a draft token, refined online
+    return drafter
+
+
+def draft_quantize_for(draft_quantize: str | None, target: Transformer) -> str:
+    """The draft model's quantisation: as asked, or ("auto" / None) the target's."""
+    from .models.quant import Int8Linear
+
+    if draft_quantize in (None, "auto"):
+        return "int8" if isinstance(target.lm_head, Int8Linear) else "none"
+    check_quantize(draft_quantize, str(target.embed_tokens.weight.device.type))
+    return draft_quantize
+
+
+def source_is_quantised(target: str) -> bool:
+    """Whether a target's weights come quantised: the default model, a preset, a .gguf file."""
+    from .models import presets
+
+    return str(target) == "default" or presets.is_preset(str(target)) or str(target).lower().endswith(".gguf")
+
+
+def resolve_quantize(quantize: str, device: str, target: str) -> str:
+    """"auto" -> int8 on the CPU (where the int8 products are available) when the source weights
+    are already quantised (a GGUF's 4-6 bit blocks: int8 keeps more than they hold, and runs ~5x
+    faster than bfloat16 here), else none (float weights are kept as they are)."""
+    from .models.quant import cpu_int8_available
+
+    if quantize != "auto":
+        return quantize
+    return "int8" if device == "cpu" and cpu_int8_available() and source_is_quantised(target) else "none"
+
+
+def resolve_drafter(drafter: str, target: str, draft_p_min: float | None = None) -> tuple[str, float | None]:
+    """(drafter, draft_p_min): "auto" -> a preset target's paired draft model, with the pair's
+    confidence cut-off unless one is given (chat answers have little to copy: prompt lookup first
+    measured slower, its weak matches taking the place of the model's drafts); else prompt lookup,
+    which the cost-aware draft length turns down where it finds nothing to copy."""
+    from .models import presets
+
+    if drafter != "auto":
+        return drafter, draft_p_min
+    if presets.is_preset(str(target)) and (pair := presets.get(str(target))).draft:
+        return pair.draft, pair.draft_p_min if draft_p_min is None else draft_p_min
+    return "ngram", draft_p_min
 
 
 def _no_trees(name: str) -> InvalidRequestError:
@@ -412,18 +467,20 @@ class Engine:
         cls,
         target: str = "default",
         *,
-        drafter: str = "none",
+        drafter: str = "auto",
         num_speculative_tokens: int = 5,
         device: str = "cpu",
         dtype: str = "auto",
         draft_length: str | None = None,
         progress=None,
         draft_p_min: float | None = None,
-        quantize: str = "none",
+        quantize: str = "auto",
         draft_tree: TreeShape | str | None = None,
         verify_cost: float | None = None,
         verify_overhead: float | None = None,
         screen_verify: bool = True,
+        draft_quantize: str | None = None,
+        draft_vocab: int | None = None,
     ) -> "Engine":
         """Load a target (and drafter) ready to generate.
 
@@ -432,9 +489,21 @@ class Engine:
 
         `quantize="int8"` replaces the target's linear layers and output head by int8 weight-only
         versions (CPU only; see `models/quant.py`). That changes the target model itself, so plain
-        and speculative decoding are compared on the same quantised target.
+        and speculative decoding are compared on the same quantised target. "auto" (the default)
+        is int8 on the CPU for a source that is already quantised (`resolve_quantize`).
+
+        `drafter="auto"` (the default) is prompt lookup, or for a preset target with a paired draft
+        model, that draft model (`resolve_drafter`). `draft_quantize` sets the
+        draft model's quantisation (default: the target's).
         """
         device = resolve_device(device)
+        quantize = resolve_quantize(quantize, device, target)
+        drafter, draft_p_min = resolve_drafter(drafter, target, draft_p_min)
+        if draft_quantize not in (None, "auto"):
+            check_quantize(draft_quantize, device)
+        from .drafters.draft_model import check_vocab
+
+        check_vocab(draft_vocab)
         if isinstance(draft_tree, str):
             draft_tree = TreeShape.parse(draft_tree)  # a malformed shape fails before the load
         draft_length = policy.default_draft_length(draft_length, draft_tree)
@@ -457,7 +526,8 @@ class Engine:
         loader.release_freed_memory()
         model, _ = loader.load(folder, torch_dtype, device, progress, quantize)
         if draft_path:
-            made = make_drafter(drafter, model, tokenizer, draft_p_min, progress)
+            made = make_drafter(drafter, model, tokenizer, draft_p_min, progress, draft_quantize=draft_quantize,
+                                 draft_vocab=draft_vocab)
         return cls(model, tokenizer, drafter=made, num_speculative_tokens=num_speculative_tokens,
                    draft_length=draft_length, draft_tree=draft_tree, verify_cost=verify_cost,
                    verify_overhead=verify_overhead, screen_verify=screen_verify)
@@ -569,7 +639,9 @@ class Engine:
         rule, cost = None, None
         if drafter is not None:
             if drafter.needs.model:
-                cost = self.draft_costs.setdefault(drafter.name, policy.DraftCost())
+                measured = drafter.draft_cost
+                cost = self.draft_costs.setdefault(
+                    drafter.name, policy.DraftCost() if measured is None else policy.DraftCost(prior=measured))
             length = "fixed" if tree is not None else (draft_length or self.draft_length)
             # A seeded sampled row prices its drafts by the prior only: its k must depend on its
             # verdicts alone, or the same seed would give different text on another machine.

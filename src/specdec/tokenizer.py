@@ -127,10 +127,16 @@ class Tokenizer:
             return self._rust.encode(text).ids  # with the special tokens tokenizer.json adds (BOS)
         return list(self._tok(text).input_ids)
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._rust is not None:
-            return self._rust.decode(ids, skip_special_tokens=True)
-        return self._tok.decode(ids, skip_special_tokens=True)
+            return self._rust.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids of `text` alone: no BOS or other special tokens added."""
+        if self._rust is not None:
+            return self._rust.encode(text, add_special_tokens=False).ids
+        return list(self._tok(text, add_special_tokens=False).input_ids)
 
     @property
     def chat_template(self) -> str | None:

@@ -16,7 +16,8 @@ def add_arguments(parser) -> None:
         "Measure plain and speculative decoding (and installed peers) on Spec-Bench prompts, greedy, "
         "interleaved after a warm-up. Prints a Markdown table (each speedup with its 95% bootstrap interval over "
         "the prompts); --json / --markdown / --plot save more.")
-    parser.add_argument("--model", default="default", help="target: HF folder or .gguf (default: Gemma 3 270M)")
+    parser.add_argument("--model", default="default",
+                        help="target: HF folder, .gguf or a named model (`specdec models`) (default: Gemma 3 270M)")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help="comma-separated configurations, e.g. plain,ngram:k=5,suffix:k=5,draft:k=4,"
                              "hf,hf-lookup:k=10,hf-assist,llama-cpp,llama-cpp-lookup; options dtype=, quantize= "
@@ -30,13 +31,20 @@ def add_arguments(parser) -> None:
                         help="extra prompts: one JSON object a line with prompt | turns | prompt_ids "
                              "(+ optional group, id); repeatable")
     parser.add_argument("--spec-bench", metavar="FILE", help="Spec-Bench question.jsonl (default: ../shared/spec_bench)")
+    parser.add_argument("--chat", action="store_true",
+                        help="feed each question as the user's first turn through the model's chat template "
+                             "(instruct models), instead of --template")
     parser.add_argument("--template", default=DEFAULT_TEMPLATE.replace("\n", "\\n"),
                         help="how a question is fed to the (base) model; {prompt} is the question, \\n a newline "
                              "(default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     parser.add_argument("--dtype", default="auto", help="specdec targets: auto | float32 | bfloat16 | float16 (HF peers run float32 unless hf:dtype=...)")
-    parser.add_argument("--quantize", default="none", choices=["none", "int8"], help="specdec targets' quantisation")
-    parser.add_argument("--draft-model", metavar="PATH", help="draft model for draft / hf-assist configurations")
+    parser.add_argument("--quantize", default="auto", choices=["auto", "none", "int8"],
+                        help="specdec targets' quantisation; auto (default): int8 on the CPU for a GGUF source "
+                             "(the default model, a named model, a .gguf file), none otherwise")
+    parser.add_argument("--draft-model", metavar="PATH",
+                        help="draft model for draft / hf-assist configurations (default: a named target's paired "
+                             "draft model)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved passes over the prompts (default 1)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up rounds before measuring (default 1)")
@@ -54,7 +62,9 @@ def command_line(args) -> str:
         parts += ["--prompts", f]
     if args.spec_bench:
         parts += ["--spec-bench", args.spec_bench]
-    if args.template != DEFAULT_TEMPLATE.replace("\n", "\\n"):
+    if args.chat:
+        parts += ["--chat"]
+    elif args.template != DEFAULT_TEMPLATE.replace("\n", "\\n"):
         parts += ["--template", args.template]
     parts += ["--max-tokens", str(args.max_tokens), "--dtype", args.dtype, "--quantize", args.quantize]
     if args.draft_model:
@@ -71,11 +81,19 @@ def run(args) -> int:
 
     # Everything that can be checked without a model is checked first: bad input fails at once.
     _check_outputs(args)
-    configs = parse_configs(args.configs, args.draft_model)
+    from ..engine import resolve_quantize
+    from ..models import presets
+
+    draft_model = args.draft_model
+    if draft_model is None and presets.is_preset(args.model):
+        draft_model = presets.get(args.model).draft
+    configs = parse_configs(args.configs, draft_model)
     groups = parse_tasks(args.tasks)
     template = args.template.replace("\\n", "\n")
-    prompts = select_prompts(groups, args.per_group, spec_bench_path(args.spec_bench), args.prompts, template)
-    settings = Settings(args.model, args.max_tokens, args.dtype, args.quantize, args.device, args.repeats, args.warmup)
+    prompts = select_prompts(groups, args.per_group, spec_bench_path(args.spec_bench), args.prompts, template,
+                             args.chat)
+    quantize = resolve_quantize(args.quantize, args.device, args.model)
+    settings = Settings(args.model, args.max_tokens, args.dtype, quantize, args.device, args.repeats, args.warmup)
 
     def log(message: str) -> None:
         (bar.write if bar is not None else lambda m: print(m, file=sys.stderr))(f"bench: {message}")

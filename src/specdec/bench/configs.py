@@ -9,7 +9,10 @@ An option is `key=value` or a bare flag (`adaptive`). Examples::
     ngram:k=8:fixed            ... always 8 (without a flag: the engine's default, the cost-aware
                                draft length, per match length and at most k)
     suffix:k=5                 suffix cache (learns across the requests of the run)
-    draft:model=PATH:k=4       a draft model (or give --draft-model PATH once)
+    draft:model=PATH:k=4       a draft model (or give --draft-model PATH once; a named model's pair is
+                               the default); it runs quantised as the target does (draft_quantize=none|int8)
+    draft:k=4:lookup=ngram     prompt lookup first, the draft model where lookup finds nothing
+    draft:k=4:vocab=16384      the draft scores only its 16384 most frequent ids (FR-Spec)
     eagle:k=5                  the shipped EAGLE head (eagle:head=DIR for another one)
     eagle:k=8:lookup=ngram     prompt lookup first, the EAGLE head where lookup finds nothing
     plain:quantize=int8        the same target quantised (when Engine.load takes `quantize`)
@@ -18,6 +21,9 @@ An option is `key=value` or a bare flag (`adaptive`). Examples::
     hf-assist:model=PATH:k=5   HF assisted generation with a draft model (assistant_model)
     llama-cpp                  llama-cpp-python on the GGUF, plain greedy
     llama-cpp-lookup:k=10      llama-cpp-python with its prompt-lookup drafter
+    llama-spec:k=4             llama.cpp's `llama-speculative` program with a draft model (model=, or the
+                               draft model of draft configurations), greedy; bin=PATH, else
+                               $SPECDEC_LLAMA_SPECULATIVE or llama-speculative on the PATH
 
 The label of a configuration is its text as written, so it is what the tables show. Parsing is pure
 (no models are touched), so a bad list fails at once, before anything slow.
@@ -42,7 +48,7 @@ KINDS: dict[str, tuple[str, dict[str, object]]] = {
     "suffix": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "max_ngram": int, "min_ngram": int,
                            "dtype": _DTYPE, "quantize": str}),
     "draft": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "model": str, "p_min": float,
-                          "dtype": _DTYPE, "quantize": str}),
+                          "lookup": str, "draft_quantize": str, "vocab": int, "dtype": _DTYPE, "quantize": str}),
     "eagle": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str, "head": str, "p_min": float,
                           "lookup": str, "dtype": _DTYPE, "quantize": str}),
     "hf": ("hf", {"dtype": _DTYPE}),
@@ -50,6 +56,7 @@ KINDS: dict[str, tuple[str, dict[str, object]]] = {
     "hf-assist": ("hf", {"k": int, "adaptive": "flag", "model": str, "dtype": _DTYPE}),
     "llama-cpp": ("llama-cpp", {"threads": int, "model": str}),
     "llama-cpp-lookup": ("llama-cpp", {"k": int, "n": int, "threads": int, "model": str}),
+    "llama-spec": ("llama-cpp", {"k": int, "threads": int, "model": str, "bin": str}),
 }
 
 # Defaults per kind where an option is left out. specdec's k matches Engine's default; the HF and
@@ -57,7 +64,7 @@ KINDS: dict[str, tuple[str, dict[str, object]]] = {
 DEFAULTS: dict[str, dict[str, object]] = {
     "ngram": {"k": 5}, "suffix": {"k": 5}, "draft": {"k": 5}, "eagle": {"k": 5},
     "hf-lookup": {"k": 10, "n": 2}, "hf-assist": {"k": 5},
-    "llama-cpp-lookup": {"k": 10, "n": 2},
+    "llama-cpp-lookup": {"k": 10, "n": 2}, "llama-spec": {"k": 4},
 }
 
 DEFAULT_CONFIGS = "plain,ngram:k=5,suffix:k=5,hf,hf-lookup,llama-cpp,llama-cpp-lookup"
@@ -147,7 +154,7 @@ def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
             raise InvalidRequestError(f"{item!r}: {exc}", "configs") from None
         if options.get("adaptive") or options.get("cost"):
             raise InvalidRequestError(f"{item!r}: a tree has a fixed shape; drop adaptive / cost", "configs")
-    if kind in ("draft", "hf-assist"):
+    if kind in ("draft", "hf-assist", "llama-spec"):
         options.setdefault("model", draft_model)
         if not options["model"]:
             raise InvalidRequestError(f"{item!r} needs a draft model: add :model=PATH or pass --draft-model PATH",
@@ -193,14 +200,16 @@ def _convert(item: str, key: str, value: str, kind_of) -> object:
         raise InvalidRequestError(f"{item!r}: {key}={value!r} is not a valid {kind_of.__name__}", "configs") from None
     if key in ("k", "n", "threads", "max_ngram", "min_ngram") and converted < 1:
         raise InvalidRequestError(f"{item!r}: {key} must be >= 1", "configs")
+    if key == "vocab" and converted < 0:
+        raise InvalidRequestError(f"{item!r}: vocab must be >= 0 (0 = the full vocabulary)", "configs")
     if key == "p_min" and not 0.0 <= converted <= 1.0:
         raise InvalidRequestError(f"{item!r}: p_min must be in [0, 1]", "configs")
     if key == "dtype" and converted not in DTYPE_NAMES:
         raise InvalidRequestError(f"{item!r}: dtype must be one of {', '.join(DTYPE_NAMES)}", "configs")
     if key == "lookup" and converted not in ("ngram", "suffix"):
         raise InvalidRequestError(f"{item!r}: lookup must be ngram or suffix", "configs")
-    if key == "quantize" and converted not in QUANTIZE_NAMES:
-        raise InvalidRequestError(f"{item!r}: quantize must be one of {', '.join(QUANTIZE_NAMES)}", "configs")
+    if key in ("quantize", "draft_quantize") and converted not in QUANTIZE_NAMES:
+        raise InvalidRequestError(f"{item!r}: {key} must be one of {', '.join(QUANTIZE_NAMES)}", "configs")
     return converted
 
 

@@ -52,6 +52,7 @@ class BenchPrompt:
     group: str
     text: str | None = None
     ids: tuple[int, ...] | None = None
+    chat: bool = False  # text is a user message, rendered with the target's chat template
 
 
 CODE_PROMPTS: tuple[str, ...] = (
@@ -212,10 +213,12 @@ def check_template(template: str) -> str:
 
 
 def select_prompts(groups: list[str], per_group: int, spec_bench: Path | None,
-                   extra_files: list[str] | None = None, template: str = DEFAULT_TEMPLATE) -> list[BenchPrompt]:
+                   extra_files: list[str] | None = None, template: str = DEFAULT_TEMPLATE,
+                   chat: bool = False) -> list[BenchPrompt]:
     """The benchmark's prompts: `per_group` of each selected group, then every prompt of the files.
 
-    Questions are wrapped in `template` (see the module doc); other text is used as it is.
+    Questions are wrapped in `template` (see the module doc), or with `chat` go as the user's
+    first turn through the model's chat template (instruct models); other text is used as it is.
     """
     check_template(template)
     if per_group < 0:
@@ -244,9 +247,9 @@ def select_prompts(groups: list[str], per_group: int, spec_bench: Path | None,
             if not turns or not isinstance(turns[0], str):
                 raise InvalidRequestError(f"{spec_bench}: question {r.get('question_id')} has no first turn", "tasks")
             prompts.append(BenchPrompt(f"{group}-{r.get('question_id')}", group,
-                                       text=template.format(prompt=turns[0])))
+                                       text=turns[0] if chat else template.format(prompt=turns[0]), chat=chat))
     for f in extra_files or []:
-        prompts += load_prompt_file(Path(f).expanduser(), template)
+        prompts += load_prompt_file(Path(f).expanduser(), template, chat)
     seen: set[str] = set()
     for p in prompts:
         if p.id in seen:
@@ -257,10 +260,10 @@ def select_prompts(groups: list[str], per_group: int, spec_bench: Path | None,
     return prompts
 
 
-def load_prompt_file(path: Path, template: str = DEFAULT_TEMPLATE) -> list[BenchPrompt]:
+def load_prompt_file(path: Path, template: str = DEFAULT_TEMPLATE, chat: bool = False) -> list[BenchPrompt]:
     """A user file: one JSON object a line with `prompt` (text, used as it is), `turns` (a question:
-    the first turn, wrapped in `template`) or `prompt_ids`; optional `group` (or `category`,
-    default: the file's name) and `id`."""
+    the first turn, wrapped in `template`, or with `chat` the user's message in the chat template)
+    or `prompt_ids`; optional `group` (or `category`, default: the file's name) and `id`."""
     out = []
     for n, r in _read_jsonl(path):  # n: the line number, for messages and default ids
         group = str(r.get("group") or r.get("category") or path.stem)
@@ -271,12 +274,13 @@ def load_prompt_file(path: Path, template: str = DEFAULT_TEMPLATE) -> list[Bench
                 raise InvalidRequestError(f"{path}:{n}: prompt_ids must be a non-empty list of token ids", "prompts")
             out.append(BenchPrompt(pid, group, ids=tuple(ids)))
             continue
-        text = r.get("prompt")
+        text, is_turn = r.get("prompt"), False
         if text is None and isinstance(r.get("turns"), list) and r["turns"] and isinstance(r["turns"][0], str):
-            text = template.format(prompt=r["turns"][0]) if r["turns"][0] else ""
+            is_turn = True
+            text = (r["turns"][0] if chat else template.format(prompt=r["turns"][0])) if r["turns"][0] else ""
         if not isinstance(text, str) or not text:
             raise InvalidRequestError(f"{path}:{n}: needs a `prompt` string, `turns` list or `prompt_ids`", "prompts")
-        out.append(BenchPrompt(pid, group, text=text))
+        out.append(BenchPrompt(pid, group, text=text, chat=chat and is_turn))
     if not out:
         raise InvalidRequestError(f"{path}: no prompts in the file", "prompts")
     return out

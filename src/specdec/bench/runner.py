@@ -326,6 +326,65 @@ class LlamaCppRunner:
         return Run(self.config.label, "", "", 0, len(ids), len(new), wall, new)
 
 
+class LlamaSpeculativeRunner:
+    """llama.cpp's `llama-speculative` program (target + draft model, greedy), one process per run.
+
+    It takes text, so the prompt's ids go as their text with the special tokens spelled out (the
+    program parses them back); its own log gives the timings (prompt encoding + decoding, not the
+    model loads) and the draft counts. It prints text, not ids: the output is tokenised again with
+    the target's tokenizer, so identity with plain decoding is as exact as that round trip.
+    """
+
+    def __init__(self, config: BenchConfig, binary: str, gguf: Path, draft: Path, threads: int, n_ctx: int,
+                 tokenizer):
+        self.config, self.binary, self.gguf, self.draft = config, binary, gguf, draft
+        self.threads, self.n_ctx, self.tokenizer = threads, n_ctx, tokenizer
+
+    def new_pass(self) -> None:
+        pass
+
+    def command(self, prompt: str, max_new: int) -> list[str]:
+        t = str(self.threads)
+        return [self.binary, "-m", str(self.gguf), "-md", str(self.draft), "-p", prompt, "-n", str(max_new),
+                "-c", str(self.n_ctx), "-t", t, "-tb", t, "-td", t, "-tbd", t, "--spec-draft-n-max", str(self.config.k),
+                "--temp", "0", "--top-k", "1", "--seed", "0", "-ngl", "0", "-ngld", "0"]
+
+    def generate(self, ids: tuple[int, ...], max_new: int) -> Run:
+        import re
+        import subprocess
+
+        prompt = self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        res = subprocess.run(self.command(prompt, max_new), capture_output=True, text=True, errors="replace")
+        log = res.stdout + "\n" + res.stderr
+        timing = {k: re.search(rf"{k}\s+(\d+) tokens in\s+([\d.]+) seconds", log) for k in ("encoded", "decoded")}
+        if res.returncode != 0 or None in timing.values():
+            tail = " | ".join(log.strip().splitlines()[-3:])
+            raise SpecdecError(f"{self.config.label}: llama-speculative failed (exit {res.returncode}): {tail}")
+        counts = {k: int(m.group(1)) for k in ("n_drafted", "n_accept") if (m := re.search(rf"{k}\s*=\s*(\d+)", log))}
+        # stdout: the prompt's pieces, then the output's, between blank lines.
+        text = res.stdout
+        start = text.find(prompt)
+        text = text[start + len(prompt):] if start >= 0 else text
+        text = text.split("\n\n\n", 1)[0].removesuffix("\n\n")
+        new = self.tokenizer.encode_plain(text) if text else []
+        decoded = int(timing["decoded"].group(1))
+        wall = float(timing["encoded"].group(2)) + float(timing["decoded"].group(2))
+        # It may overshoot -n by an accepted draft; its rate counts every token it decoded.
+        run = Run(self.config.label, "", "", 0, len(ids), decoded, wall, new[:max_new])
+        run.draft_tokens, run.accepted_tokens = counts.get("n_drafted", 0), counts.get("n_accept", 0)
+        return run
+
+
+def llama_speculative_binary(config: BenchConfig) -> str | None:
+    import os
+    import shutil
+
+    explicit = config.options.get("bin") or os.environ.get("SPECDEC_LLAMA_SPECULATIVE")
+    if explicit:
+        return explicit if Path(explicit).expanduser().is_file() else None
+    return shutil.which("llama-speculative")
+
+
 def canonical_dtype(device: str) -> Callable[..., str]:
     """(dtype name, quantisation) -> the torch dtype it resolves to on `device`, as a name ("auto" ->
     "float32")."""
@@ -380,10 +439,15 @@ def _gguf_for(settings: Settings, config: BenchConfig) -> Path | None:
     """The GGUF file a llama.cpp peer runs: model=PATH, else the target when it is a GGUF."""
     from ..models import loader
 
+    from ..models import presets
+
     if config.options.get("model"):
-        return Path(config.options["model"]).expanduser()
+        model = config.options["model"]
+        return presets.path(model) if presets.is_preset(model) else Path(model).expanduser()
     if settings.model == "default":
         return loader.default_model_path()
+    if presets.is_preset(settings.model):
+        return presets.path(settings.model)
     path = Path(settings.model).expanduser()
     return path if path.suffix.lower() == ".gguf" else None
 
@@ -444,6 +508,8 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
         elif tokenizer is None:
             raise InvalidRequestError(f"prompt {p.id} is text but {settings.model} has no tokenizer: give prompt_ids "
                                       "in a --prompts file (and --tasks none)", "prompts")
+        elif p.chat:  # the user's first turn, as a chat client would send it
+            ids = tuple(tokenizer.encode_chat([{"role": "user", "content": p.text}]))
         else:
             ids = tuple(tokenizer.encode(p.text))
         # + k + 1: a verify block may reach that far past the last kept token.
@@ -468,6 +534,25 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
                 assistant = _load_hf(loader.resolve(c.options["model"], _load_progress(log)), dtype, device)
             runners[c.label] = HFRunner(c, hf_models[dtype], eos, device, assistant)
             described[c.label] = f"HF transformers {dtype}"
+        elif c.kind == "llama-spec":
+            binary = llama_speculative_binary(c)
+            gguf, draft = _gguf_for(settings, BenchConfig(c.label, "llama-cpp", {})), _gguf_for(settings, c)
+            why = None
+            if binary is None:
+                why = ("llama.cpp's llama-speculative program was not found (bin=PATH, $SPECDEC_LLAMA_SPECULATIVE "
+                       "or the PATH)")
+            elif gguf is None or draft is None or not gguf.is_file() or not draft.is_file():
+                why = "needs the target and the draft model as GGUF files"
+            elif tokenizer is None:
+                why = "needs the target's tokenizer"
+            if why:
+                skipped[c.label] = why
+                log(f"skipping {c.label}: {why}")
+                continue
+            threads = int(c.options.get("threads") or torch.get_num_threads())
+            n_ctx = max(len(ids) for ids in prompt_ids) + settings.max_tokens + c.k + 8
+            runners[c.label] = LlamaSpeculativeRunner(c, binary, gguf, draft, threads, n_ctx, tokenizer)
+            described[c.label] = f"llama.cpp llama-speculative {gguf.name} + {draft.name}"
         elif c.family == "llama-cpp":
             try:
                 import llama_cpp  # noqa: F401
@@ -563,19 +648,27 @@ def _drafter_factory(c: BenchConfig, base, drafts: dict, log) -> Callable[[], ob
         log(f"loading the EAGLE head {c.options.get('head') or '(shipped)'}")
         drafter = make_drafter(eagle_name(c.options), base.model, base.tokenizer, c.options.get("p_min"))
         return lambda: drafter
+    from ..drafters.combined import lookup_first
     from ..drafters.draft_model import DEFAULT_DRAFT_P_MIN, DraftModelDrafter
+    from ..engine import draft_quantize_for
     from ..models import loader
     from ..tokenizer import Tokenizer
 
     weight = base.model.embed_tokens.weight
-    key = (str(c.options["model"]), weight.dtype)
+    quantize = draft_quantize_for(c.options.get("draft_quantize"), base.model)  # default: the target's
+    key = (str(c.options["model"]), weight.dtype, quantize)
     if key not in drafts:
-        log(f"loading the draft model {c.options['model']}")
-        model, folder = loader.load(c.options["model"], weight.dtype, weight.device, _load_progress(log))
+        log(f"loading the draft model {c.options['model']}{' (int8)' if quantize == 'int8' else ''}")
+        model, folder = loader.load(c.options["model"], weight.dtype, weight.device, _load_progress(log),
+                                    quantize=quantize)
         drafts[key] = (model, Tokenizer.from_folder(folder))
     model, tokenizer = drafts[key]
     p_min = c.options.get("p_min", DEFAULT_DRAFT_P_MIN)
-    drafter = DraftModelDrafter(model, base.model.config.vocab_size, p_min, tokenizer, base.tokenizer)
+    drafter = DraftModelDrafter(model, base.model.config.vocab_size, p_min, tokenizer, base.tokenizer,
+                                c.options.get("vocab"))
+    drafter.measure_cost(base.model)  # the cost-aware draft length's price of a draft token
+    if c.options.get("lookup"):  # prompt lookup first, the draft model where it finds nothing
+        return lambda: lookup_first(lookup_drafter(c.options["lookup"], {}), drafter)
     return lambda: drafter
 
 

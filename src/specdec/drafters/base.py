@@ -107,6 +107,10 @@ class Drafter(Protocol):
 
     name: str
     needs: DrafterNeeds
+    # A model drafter's price of one draft token in plain target steps, where it measured it when
+    # loaded (`DraftModelDrafter.measure_cost`); the policy's online estimate starts from it.
+    # None: not measured (the policy's prior).
+    draft_cost: float | None
 
     def spawn(self) -> "Drafter":
         """A fresh drafter for another request, sharing whatever is heavy and read-only (a model's
@@ -179,6 +183,7 @@ class DrafterBase:
 
     name = "drafter"
     needs = DrafterNeeds()
+    draft_cost: float | None = None
 
     def spawn(self):
         return type(self)()

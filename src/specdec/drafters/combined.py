@@ -36,6 +36,10 @@ class LookupFirstDrafter(DrafterBase):
                                   labels_proposals=True, model=learned.needs.model, fallback=True)
         self._last = lookup
 
+    @property
+    def draft_cost(self) -> float | None:
+        return self.learned.draft_cost
+
     def reserve(self, rows: int, length: int) -> None:
         self.learned.reserve(rows, length)
 

@@ -35,6 +35,21 @@ token that will be rejected costs a draft forward and a wider verify pass for no
 a decision taken from the draft's own state before its token is drawn, so it leaves verification
 exact; an empty draft makes the engine do a plain step.
 
+Reduced vocabulary (FR-Spec, Zhao et al. 2025). With `vocab=N` the draft scores only N ids: the
+first N of its vocabulary (a byte-level BPE numbers its tokens in merge order, which follows their
+frequency in the tokenizer's corpus) and its special tokens (EOS, end of turn). Its output head is
+then a copy of those N rows: Qwen2.5-0.5B's full head is 151,936 x 896, a quarter of the bytes a
+draft token reads. The other ids get -inf, so the draft never proposes them; q (under sampling) is
+the distribution over the kept ids that the token was really drawn from. Verification is unchanged
+(the target scores its full vocabulary), so the output stays exact; only acceptance can drop, where
+the target's token is one the draft cannot name.
+
+Price. Each draft token costs a forward of the draft model, which a lookup drafter's does not.
+`measure_cost(target)` times one-token steps of both models and keeps the ratio in `draft_cost`;
+the cost-aware draft length (`policy.CostAwareDraftLength`) starts its online price of a draft
+token (`policy.DraftCost`) from it and charges it per drafted token, so the draft model drafts only
+where its measured acceptance pays for both its own forwards and the wider verify pass.
+
 Vocabularies. The target's vocabulary is the one that counts: draft logits for ids the target does
 not have are dropped, ids the draft does not have get -inf (probability 0), so q always has the
 target's vocabulary size. Models of one family are often padded to a round size, so sizes within
@@ -46,6 +61,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,7 +70,7 @@ from torch import Tensor
 from specdec.drafters.base import DrafterBase, DrafterNeeds, Proposal, check_k, common_prefix_length, draft_chain
 from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
-from specdec.models.transformer import Transformer
+from specdec.models.transformer import Transformer, soft_cap
 from specdec.sampling import SamplingParams, greedy_tokens, make_generator, process_logits, sample
 
 # Padding differences seen in practice are up to 128 ids (e.g. Qwen2.5 sizes); llama.cpp uses the
@@ -91,12 +107,20 @@ class DraftModelDrafter(DrafterBase):
         draft_p_min: float = DEFAULT_DRAFT_P_MIN,
         tokenizer=None,
         target_tokenizer=None,
+        vocab: int | None = None,
     ):
         check_draft_p_min(draft_p_min)
         check_same_vocabulary(target_vocab_size, model.config.vocab_size, target_tokenizer, tokenizer)
         self.model = model
         self.target_vocab_size = target_vocab_size
         self.draft_p_min = float(draft_p_min)
+        self.draft_cost: float | None = None  # one draft token in target steps (`measure_cost`)
+        # Reduced vocabulary: the kept ids [m] (sorted) and the head over their rows; None = all.
+        self.vocab_ids: Tensor | None = None
+        self._sub_head = None
+        if vocab:
+            self.vocab_ids = frequent_ids(model.config.vocab_size, vocab, special_ids(model, tokenizer))
+            self._sub_head = _rows_of(model.lm_head, self.vocab_ids)
         self._sampling = SamplingParams()
         self._generator: torch.Generator | None = None
         self._cache: KVCache | None = None
@@ -115,14 +139,45 @@ class DraftModelDrafter(DrafterBase):
         draft_p_min: float = DEFAULT_DRAFT_P_MIN,
         target_tokenizer=None,
         progress=None,
+        quantize: str = "none",
+        vocab: int | None = None,
     ) -> "DraftModelDrafter":
-        """Load a draft model from an HF folder or a .gguf file (converted once, as for targets)."""
+        """Load a draft model from an HF folder or a .gguf file (converted once, as for targets).
+
+        `quantize="int8"` puts its linears and output head on int8 (`quant.quantize_model`), the
+        target's fast path; a draft token then costs a fraction of a target token rather than more.
+        """
         from specdec.models import loader
         from specdec.tokenizer import Tokenizer
 
         check_draft_p_min(draft_p_min)  # before the slow part
-        model, folder = loader.load(source, dtype, device, progress)
-        return cls(model, target_vocab_size, draft_p_min, Tokenizer.from_folder(folder), target_tokenizer)
+        check_vocab(vocab)
+        model, folder = loader.load(source, dtype, device, progress, quantize=quantize)
+        return cls(model, target_vocab_size, draft_p_min, Tokenizer.from_folder(folder), target_tokenizer, vocab)
+
+    def measure_cost(self, target: Transformer, context: int = 64, repeats: int = 5) -> float:
+        """Time one-token steps of the draft and of `target` after a `context`-token prompt, in turns
+        (median of `repeats` each), and keep their ratio in `draft_cost`."""
+        import statistics
+        import time
+
+        ids = [[(101 + 7 * i) % min(target.config.vocab_size, self.model.config.vocab_size) for i in range(context)]]
+        times: dict[int, list[float]] = {0: [], 1: []}
+        caches = []
+        for model in (target, self.model):
+            cache = model.new_cache(1, context + 2)
+            model(torch.tensor(ids, device=self.device), torch.arange(context, device=self.device)[None], cache,
+                  last_n=1, need_hidden=False)
+            caches.append(cache)
+        step, position = torch.tensor([[ids[0][-1]]], device=self.device), torch.tensor([[context]], device=self.device)
+        for _ in range(repeats + 1):  # the first round warms up
+            for i, model in enumerate((target, self.model)):
+                start = time.perf_counter()
+                model(step, position, caches[i], last_n=1, need_hidden=False)
+                times[i].append(time.perf_counter() - start)
+                caches[i].truncate(context)
+        self.draft_cost = statistics.median(times[1][1:]) / statistics.median(times[0][1:])
+        return self.draft_cost
 
     # -- protocol -------------------------------------------------------------------------------
 
@@ -244,9 +299,24 @@ class DraftModelDrafter(DrafterBase):
         # only make the draft worse, never the output wrong (verification decides).
         ids = torch.tensor([[t if t < vocab else 0 for t in new]], device=self.device)  # [1, T]
         positions = torch.arange(start, start + len(new), device=self.device)[None]  # [1, T]
-        logits, _ = self.model(ids, positions, self._cache, last_n=1, need_hidden=False)
+        if self._sub_head is None:
+            logits, _ = self.model(ids, positions, self._cache, last_n=1, need_hidden=False)
+            self._tokens.extend(new)
+            return self._to_target_vocab(logits[0, -1])
+        _, hidden = self.model(ids, positions, self._cache, last_n=0)  # no full head
         self._tokens.extend(new)
-        return self._to_target_vocab(logits[0, -1])
+        return self._to_target_vocab(self._head(hidden[0, -1:])[0])
+
+    @torch.inference_mode()
+    def _head(self, hidden: Tensor) -> Tensor:
+        """hidden [rows, h] -> logits [rows, draft vocab]: the full head, or with a reduced
+        vocabulary the kept rows' scores and -inf elsewhere (those ids are never drafted)."""
+        if self._sub_head is None:
+            return self.model.head(hidden)
+        sub = soft_cap(self._sub_head(hidden).float(), self.model.config.final_logit_softcap)  # [rows, m]
+        full = sub.new_full((hidden.shape[0], self.model.config.vocab_size), -math.inf)
+        full[:, self.vocab_ids] = sub
+        return full
 
     def _to_target_vocab(self, logits: Tensor) -> Tensor:
         """logits [draft_vocab] -> [target_vocab]: drop ids the target lacks, -inf for ids the draft lacks."""
@@ -331,7 +401,7 @@ def propose_batch(drafters: list[DraftModelDrafter], contexts: list[list[int]], 
         view.lengths.copy_(lengths)  # rows not drafting keep their length; drafting rows move below
         rows = torch.tensor([slots[i] - lo for i in news], device=device)
         last = torch.tensor([len(news[i]) - 1 for i in news], device=device)
-        logits = drafters[0].model.head(hidden[rows, last])  # [drafting rows, draft vocab]
+        logits = drafters[0]._head(hidden[rows, last])  # [drafting rows, draft vocab]
         out = {}
         for j, (i, new) in enumerate(news.items()):
             view.lengths[slots[i] - lo] += len(new)
@@ -377,6 +447,45 @@ def propose_batch(drafters: list[DraftModelDrafter], contexts: list[list[int]], 
             logits = forward(feed)
     return [Proposal(tokens[i], torch.stack(qs[i]) if qs[i] else None) if i in tokens else Proposal([])
             for i in range(len(drafters))]
+
+
+def check_vocab(vocab) -> None:
+    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0):
+        raise InvalidRequestError(f"the draft vocabulary must be a number of ids >= 0 (0 = all), got {vocab!r}",
+                                  param="draft_vocab")
+
+
+def special_ids(model: Transformer, tokenizer=None) -> list[int]:
+    """Ids a reduced draft vocabulary always keeps: the EOS ids and the tokenizer's added tokens
+    (end of turn, chat markers), which a chat answer needs to end."""
+    ids = set(model.config.eos_token_ids)
+    hf = getattr(tokenizer, "_tok", None)
+    ids.update(getattr(hf, "added_tokens_decoder", None) or {})
+    rust = getattr(tokenizer, "_rust", None)
+    if rust is not None:
+        ids.update(rust.get_added_tokens_decoder())
+    return sorted(i for i in ids if 0 <= i < model.config.vocab_size)
+
+
+def frequent_ids(vocab_size: int, n: int, keep: Sequence[int] = ()) -> Tensor:
+    """The first `n` ids and `keep`, sorted (int64)."""
+    return torch.tensor(sorted(set(range(min(n, vocab_size))) | set(keep)), dtype=torch.long)
+
+
+def _rows_of(head, ids: Tensor):
+    """A head that scores rows `ids` of `head` only, with the same numbers for them."""
+    from specdec.models.quant import Int8Linear
+
+    bias = None if head.bias is None else head.bias.data[ids]
+    if isinstance(head, Int8Linear):
+        return Int8Linear.from_int8(head.int8_rows(ids).contiguous(), head.weight_scale[ids].contiguous(), bias)
+    sub = torch.nn.Linear(head.in_features, len(ids), bias=bias is not None, device=head.weight.device,
+                          dtype=head.weight.dtype)
+    with torch.no_grad():
+        sub.weight.copy_(head.weight[ids])
+        if bias is not None:
+            sub.bias.copy_(bias)
+    return sub.requires_grad_(False)
 
 
 def check_draft_p_min(draft_p_min: float) -> None:

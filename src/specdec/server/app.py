@@ -56,6 +56,7 @@ class ServerSettings:
     model: str = "default"
     served_model_name: str = "default"
     drafter: str = "none"
+    draft_p_min: float | None = None  # a draft model's confidence cut-off (None: its default)
     num_speculative_tokens: int = 5
     max_batch: int = 16
     max_queue: int = 64
@@ -137,7 +138,7 @@ def create_app(settings: ServerSettings,
         try:
             model, tokenizer = load(settings)
             # Every drafter a request may name is loaded now, once (a draft model, an EAGLE head).
-            drafters, default = serving_drafters(settings.drafter, model, tokenizer)
+            drafters, default = serving_drafters(settings.drafter, model, tokenizer, draft_p_min=settings.draft_p_min)
             scheduler = BatchScheduler(
                 model, tokenizer, drafter=default, drafters=drafters,
                 num_speculative_tokens=settings.num_speculative_tokens, max_batch=settings.max_batch,

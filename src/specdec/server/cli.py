@@ -18,11 +18,12 @@ from ..scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_TOKENS
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", default="default", help="HF folder or .gguf file (default: Gemma 3 270M)")
+    parser.add_argument("--model", default="default",
+                        help="HF folder, .gguf file or a named model (`specdec models`) (default: Gemma 3 270M)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients send as `model` (default: derived from --model)")
-    parser.add_argument("--drafter", default="none",
-                        help="default drafter, loaded at start: none | ngram | suffix | eagle | eagle:DIR | a draft "
+    parser.add_argument("--drafter", default="auto",
+                        help="default drafter, loaded at start: auto (the paired draft model of a named model, else ngram, which drafts only where --speculation-control finds it pays) | none | ngram | suffix | eagle | eagle:DIR | a draft "
                              "model's path | ngram+LEARNED | suffix+LEARNED; requests may choose another loaded one "
                              "by name with `speculative` (none, ngram, suffix, and eagle / draft_model and their "
                              "ngram+ / suffix+ combinations when one was loaded)")
@@ -52,7 +53,9 @@ def add_arguments(parser) -> None:
                         help="auto (bfloat16 on CUDA and on CPUs with native bfloat16, float32 otherwise and for "
                              "int8) | float32 | bfloat16 | float16")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
-    parser.add_argument("--quantize", default="none", choices=["none", "int8"])
+    parser.add_argument("--quantize", default="auto", choices=["auto", "none", "int8"],
+                        help="auto (default): int8 on the CPU when the weights come quantised (the default model, a "
+                             "named model, a .gguf file), else none")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level")
     ray = parser.add_argument_group("replicas under Ray Serve (pip install 'specdec[ray]')")
     ray.add_argument("--replicas", type=int, default=0,
@@ -100,7 +103,11 @@ def settings_from_args(args):
     name = args.served_model_name
     if name is None:
         name = "gemma-3-270m" if args.model == "default" else Path(args.model).name.removesuffix(".gguf")
-    return ServerSettings(model=args.model, served_model_name=name, drafter=args.drafter,
+    from ..engine import resolve_drafter
+
+    # "auto": a named model's paired draft model (with its confidence cut-off), else prompt lookup.
+    drafter, draft_p_min = resolve_drafter(args.drafter, args.model)
+    return ServerSettings(model=args.model, served_model_name=name, drafter=drafter, draft_p_min=draft_p_min,
                           num_speculative_tokens=args.num_speculative_tokens, max_batch=args.max_batch,
                           max_queue=args.max_queue, max_model_len=args.max_model_len,
                           spec_token_budget=args.spec_token_budget, prefill_chunk=args.prefill_chunk,
@@ -137,7 +144,7 @@ def bind(host: str, port: int) -> socket.socket:
 def run(args) -> int:
     import uvicorn
 
-    from ..engine import check_quantize, draft_model_path, resolve_device, resolve_dtype
+    from ..engine import check_quantize, draft_model_path, resolve_device, resolve_dtype, resolve_quantize
     from ..models.loader import check_path
     from .app import create_app
 
@@ -146,8 +153,9 @@ def run(args) -> int:
     # model itself loads in the background while /health answers 503, and a load that fails stops
     # the server with the load error (exit status 2).
     device = resolve_device(settings.device)
-    resolve_dtype(settings.dtype, device, settings.quantize)
-    check_quantize(settings.quantize, device)
+    quantize = resolve_quantize(settings.quantize, device, settings.model)
+    resolve_dtype(settings.dtype, device, quantize)
+    check_quantize(quantize, device)
     if settings.model != "default":
         check_path(settings.model)
     draft_model_path(settings.drafter)  # an unknown drafter or a missing path fails here

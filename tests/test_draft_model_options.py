@@ -1,0 +1,125 @@
+"""Draft-model options: reduced-vocabulary drafting (FR-Spec; the output stays exact: greedy identity,
+and the sampled distribution by a chi-square test) and the price of a draft token in the cost rule."""
+
+import math
+
+import pytest
+import torch
+
+from specdec import Engine, SamplingParams
+from specdec.drafters import DraftModelDrafter
+from specdec.drafters.draft_model import frequent_ids
+from specdec.errors import InvalidRequestError
+from specdec.models import loader
+from specdec.models.quant import cpu_int8_available, quantize_model
+
+from test_draft_model import SMALL_V, noisy_copy, p_value, small_model
+
+make_tiny_hf = __import__("conftest").make_tiny_hf
+V = __import__("conftest").TINY_VOCAB
+prompts = __import__("conftest").random_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder, _ = make_tiny_hf(tmp_path_factory.mktemp("v"), "llama", seed=0)
+    model, _ = loader.load(folder, torch.float32, "cpu")
+    return model
+
+
+def test_frequent_ids_keep_the_special_ones():
+    assert frequent_ids(100, 5, [99, 2]).tolist() == [0, 1, 2, 3, 4, 99]
+    assert frequent_ids(4, 10).tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_kept_ids_score_as_in_the_full_head_and_the_rest_never(llama, int8):
+    if int8 and not cpu_int8_available():
+        pytest.skip("no int8 backend")
+    model = llama
+    if int8:
+        model = noisy_copy(llama, 0.0, 0)  # a copy to quantise
+        quantize_model(model, "int8")
+    full = DraftModelDrafter(model, V)
+    reduced = DraftModelDrafter(model, V, vocab=30)
+    kept = reduced.vocab_ids
+    assert kept.tolist() == list(range(30)) + [i for i in model.config.eos_token_ids if i >= 30]
+    ids = prompts(1, 12)[0]
+    for d in (full, reduced):
+        d.begin(ids)
+    a, b = full._sync(ids), reduced._sync(ids)
+    torch.testing.assert_close(b[kept], a[kept], rtol=1e-5, atol=1e-5)
+    rest = torch.ones(V, dtype=torch.bool)
+    rest[kept] = False
+    assert bool((b[rest] == -math.inf).all())
+
+
+@pytest.mark.parametrize("draft", ["self", "noisy"])
+def test_greedy_identity_with_a_reduced_draft_vocabulary(llama, draft):
+    model = llama if draft == "self" else noisy_copy(llama, 0.5, 3)
+    drafter = DraftModelDrafter(model, V, vocab=40)
+    engine = Engine(llama, None, drafter, 4, "fixed")
+    plain = Engine(llama, None)
+    drafted = accepted = 0
+    for ids in prompts(3):
+        out = engine.generate(prompt_ids=ids, max_new_tokens=24)
+        assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=24).token_ids
+        drafted += out.stats.draft_tokens
+        accepted += out.stats.accepted_tokens
+        for step in out.steps:  # a draft never names an id outside the kept ones
+            assert all(t in set(drafter.vocab_ids.tolist()) for t in step.accepted)
+    assert drafted > 0
+    if draft == "self":  # the target's token is often outside the 40 kept ids: those drafts fail
+        assert 0 < accepted < drafted
+
+
+def test_sampling_with_a_reduced_draft_vocabulary_is_exact():
+    # The draft keeps 3 of the 6 ids: the target's other tokens come only from the residual
+    # norm(max(0, p - q)); q is the distribution over the kept ids the draft token was drawn from.
+    drafter = DraftModelDrafter(small_model(1), SMALL_V, vocab=3)
+    assert drafter.vocab_ids.tolist() == [0, 1, 2]
+    assert p_value(SamplingParams(temperature=1.0), drafter, k=2) > 1e-3
+
+
+def test_bad_vocab_is_one_error():
+    with pytest.raises(InvalidRequestError, match="draft vocabulary"):
+        Engine.load("/no/such/model.gguf", drafter="ngram", draft_vocab=-1)
+
+
+def test_priced_draft_length_charges_each_draft_token():
+    from specdec.policy import CostAwareDraftLength, DraftCost
+
+    free, priced = CostAwareDraftLength(8, 0.16), CostAwareDraftLength(8, 0.16, draft_cost=DraftCost(prior=0.3))
+    for rule in (free, priced):
+        rule.update(8, 6)  # a high acceptance so far (~0.8)
+    assert 1 <= priced.next_k() < free.next_k()  # each draft token costs: shorter drafts pay best
+    costly = CostAwareDraftLength(8, 0.16, draft_cost=DraftCost(prior=0.9))
+    costly.update(8, 3)
+    assert costly.next_k() == 0  # drafting does not pay: a plain step
+
+
+@pytest.mark.parametrize("draft,cost", [("noisy", 0.3), ("noisy", 2.0)])
+def test_a_priced_draft_model_drafts_only_where_it_pays(llama, draft, cost):
+    model = llama if draft == "self" else noisy_copy(llama, 0.5, 3)
+    drafter = DraftModelDrafter(model, V)
+    drafter.draft_cost = cost
+    # The cost-aware draft length (the default), a verify pass priced at 1 + 0.1 k plain steps.
+    engine = Engine(llama, None, drafter, 4, verify_cost=0.1, verify_overhead=0.0)
+    plain = Engine(llama, None)
+    for ids in prompts(2):
+        out = engine.generate(prompt_ids=ids, max_new_tokens=32)
+        assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=32).token_ids
+        steps = len(out.steps) - 1
+        # The measured price (`draft_cost`) is where the policy's online estimate starts.
+        if cost < 1:  # often wrong: a few tries, then plain steps without drafting
+            assert 0 < out.stats.drafts < steps / 2
+        else:  # dearer than a target step: never worth a try
+            assert out.stats.drafts == 0
+
+
+def test_measure_cost_times_both_models(llama):
+    drafter = DraftModelDrafter(noisy_copy(llama, 0.1, 1), V)
+    cost = drafter.measure_cost(llama, context=8, repeats=3)
+    assert cost == drafter.draft_cost and 0.05 < cost < 20  # the same architecture: about 1
