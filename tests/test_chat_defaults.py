@@ -71,7 +71,7 @@ def test_generate_message_renders_the_chat_template(chat_folder, capsys):
             "--drafter", "none"]
     assert main([*args, "--message", "hi there", "--system", "be brief"]) == 0
     out = json.loads(capsys.readouterr().out)
-    engine = Engine.load(str(chat_folder), "none", dtype="float32")
+    engine = Engine.load(str(chat_folder), drafter="none", dtype="float32")
     ids = engine.tokenizer.encode_chat([{"role": "system", "content": "be brief"},
                                         {"role": "user", "content": "hi there"}])
     assert ids == engine.tokenizer.encode("<system>be brief|<user>hi there|<assistant>")
@@ -104,7 +104,7 @@ def test_bench_chat_feeds_first_turns_through_the_template(chat_folder, tmp_path
                  "--dtype", "float32", "--json", str(out)])
     assert code == 0, capsys.readouterr().err
     data = json.loads(out.read_text())
-    engine = Engine.load(str(chat_folder), "none", dtype="float32")
+    engine = Engine.load(str(chat_folder), drafter="none", dtype="float32")
     lengths = {p.id: len(engine.tokenizer.encode_chat([{"role": "user", "content": p.text}])) for p in picked}
     assert {r["prompt_id"]: r["prompt_tokens"] for r in data["runs"]} == lengths
     assert all(r["identical"] for r in data["runs"] if r["config"] != "plain")

@@ -39,7 +39,7 @@ def add_arguments(parser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     parser.add_argument("--dtype", default="auto", help="specdec targets: auto | float32 | bfloat16 | float16 (HF peers run float32 unless hf:dtype=...)")
-    parser.add_argument("--quantize", default="auto", choices=["auto", "none", "int8"],
+    parser.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                         help="specdec targets' quantisation; auto (default): int8 on the CPU for a GGUF source "
                              "(the default model, a named model, a .gguf file), none otherwise")
     parser.add_argument("--draft-model", metavar="PATH",

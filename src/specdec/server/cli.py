@@ -53,7 +53,7 @@ def add_arguments(parser) -> None:
                         help="auto (bfloat16 on CUDA and on CPUs with native bfloat16, float32 otherwise and for "
                              "int8) | float32 | bfloat16 | float16")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
-    parser.add_argument("--quantize", default="auto", choices=["auto", "none", "int8"],
+    parser.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                         help="auto (default): int8 on the CPU when the weights come quantised (the default model, a "
                              "named model, a .gguf file), else none")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level")
