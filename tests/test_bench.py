@@ -322,17 +322,19 @@ def test_end_to_end_on_a_tiny_model(tiny, capsys, monkeypatch):
 
 
 def test_draft_model_configs_share_one_loaded_draft(tiny, capsys):
-    """A draft model (here the target itself, so every greedy draft is accepted) and HF's assistant."""
+    """A draft model (here the target itself, so every greedy draft is accepted; a fixed length,
+    since the cost-aware one charges this draft's price, about a target step, and would not draft)
+    and HF's assistant."""
     tmp, folder, prompts = tiny
     out_json = tmp / "draft.json"
-    code = main(["bench", "--model", str(folder), "--configs", "draft:k=3:p_min=0,draft:k=2:p_min=0,hf-assist:k=3",
+    code = main(["bench", "--model", str(folder), "--configs", "draft:k=3:p_min=0:fixed,draft:k=2:p_min=0:fixed,hf-assist:k=3",
                  "--draft-model", str(folder), "--tasks", "none", "--prompts", str(prompts), "--max-tokens", "10",
                  "--warmup", "0", "--no-progress", "--json", str(out_json)])
     err = capsys.readouterr().err
     assert code == 0, err
     assert err.count("loading the draft model") == 1 and err.count("loading the target") == 1
     summary = {(s["config"], s["group"]): s for s in json.loads(out_json.read_text())["summary"]}
-    for label in ("draft:k=3:p_min=0", "draft:k=2:p_min=0"):
+    for label in ("draft:k=3:p_min=0:fixed", "draft:k=2:p_min=0:fixed"):
         s = summary[(label, "all")]
         assert s["alpha"] == 1.0 and s["acceptance_by_position"] == [1.0] * len(s["acceptance_by_position"])
         assert s["identical"] == s["compared"] == 2 and s["cost_ratio"] > 0
