@@ -264,8 +264,11 @@ def run(args, settings: ServerSettings) -> int:
     ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING,
              **({"num_cpus": args.ray_num_cpus} if args.ray_num_cpus and args.ray_address is None else {}))
     stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+
+    def interrupt(signum, frame):  # before "serving": leave the deploy wait, then clean up below
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         serve.start(http_options={"host": args.host, "port": port, "location": args.proxy_location})
         try:
@@ -274,6 +277,8 @@ def run(args, settings: ServerSettings) -> int:
             raise ModelLoadError(f"the replicas failed to start: {str(exc).splitlines()[0]}") from None
         print(f"specdec: serving {settings.served_model_name!r} on http://{args.host}:{port} with Ray Serve "
               f"({options['replicas']} replicas; GET /metrics labels each replica's series)", file=sys.stderr)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
         while not stop.wait(1.0):
             pass
         print("specdec: stopping the replicas (requests in flight finish first)", file=sys.stderr)
