@@ -37,6 +37,7 @@ import logging
 import os
 import time
 
+import ray
 from ray import serve
 
 from .app import ServerSettings, create_app, load_model
@@ -106,8 +107,6 @@ class SpecdecServer:
         self._hub = hub
         context = serve.get_replica_context()
         self._replica = context.replica_id.unique_id
-        import ray
-
         self._info = (f'specdec:replica_info{{model_name="{settings.served_model_name}",'
                       f'node_id="{ray.get_runtime_context().get_node_id()}",'
                       f'node_ip="{ray.util.get_node_ip_address()}",pid="{os.getpid()}"}} 1')
