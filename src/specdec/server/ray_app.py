@@ -37,6 +37,7 @@ import logging
 import os
 import time
 
+import ray
 from ray import serve
 
 from .app import ServerSettings, create_app, load_model
@@ -106,8 +107,6 @@ class SpecdecServer:
         self._hub = hub
         context = serve.get_replica_context()
         self._replica = context.replica_id.unique_id
-        import ray
-
         self._info = (f'specdec:replica_info{{model_name="{settings.served_model_name}",'
                       f'node_id="{ray.get_runtime_context().get_node_id()}",'
                       f'node_ip="{ray.util.get_node_ip_address()}",pid="{os.getpid()}"}} 1')
@@ -264,8 +263,11 @@ def run(args, settings: ServerSettings) -> int:
     ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING,
              **({"num_cpus": args.ray_num_cpus} if args.ray_num_cpus and args.ray_address is None else {}))
     stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+
+    def interrupt(signum, frame):  # before "serving": leave the deploy wait, then clean up below
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         serve.start(http_options={"host": args.host, "port": port, "location": args.proxy_location})
         try:
@@ -274,6 +276,8 @@ def run(args, settings: ServerSettings) -> int:
             raise ModelLoadError(f"the replicas failed to start: {str(exc).splitlines()[0]}") from None
         print(f"specdec: serving {settings.served_model_name!r} on http://{args.host}:{port} with Ray Serve "
               f"({options['replicas']} replicas; GET /metrics labels each replica's series)", file=sys.stderr)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
         while not stop.wait(1.0):
             pass
         print("specdec: stopping the replicas (requests in flight finish first)", file=sys.stderr)
