@@ -178,3 +178,25 @@ def test_serve_flags():
     for flag in ("--prefill-chunk", "--prefix-cache-tokens"):
         with pytest.raises(InvalidRequestError, match=flag):
             settings_from_args(parser.parse_args([flag, "-1"]))
+
+
+def test_eagle_rows_chunked_and_next_to_the_prefix_cache(tiny):
+    """An EAGLE head reads every prompt token's hidden state: chunks hand them over in order, and
+    its rows skip the prefix cache (a copy has no hidden states) while other rows use it."""
+    from specdec.drafters.eagle import EagleDrafter
+
+    target, _ = tiny
+    head = __import__("test_eagle").random_head(target, 60)
+    drafters = dict(serving_drafters()[0], eagle=EagleDrafter(head))
+    system = ids(30, 9)
+    prompts = [system + ids(4 + i, 70 + i) for i in range(6)]
+    sched = BatchScheduler(target, None, drafters=drafters, drafter="eagle", num_speculative_tokens=3, max_batch=2,
+                           max_model_len=96, prefill_chunk=7, prefix_cache_tokens=300).start()
+    handles = [sched.submit(Request(p, 12, drafter="eagle" if i % 2 else "none")) for i, p in enumerate(prompts)]
+    outs = [h.result() for h in handles]
+    sched.shutdown()
+    plain = Engine(target, None)
+    assert [o.token_ids for o in outs] == [plain.generate(prompt_ids=p, max_new_tokens=12).token_ids
+                                           for p in prompts]
+    assert sum(o.stats.draft_tokens for o in outs[1::2]) > 0
+    assert 0 < sched.counters.prompt_tokens_cached <= 2 * len(system)  # only the "none" rows after the first

@@ -46,7 +46,9 @@ once. Running sequences always occupy the contiguous rows `[0, n)`, and a forwar
 `cache.rows(n)`, so a half-empty batch costs nothing for its empty rows. When a sequence leaves row
 i, the sequence in the last row n - 1 is moved into row i (`cache.move_row`, a copy of its filled
 slots only), which keeps the running rows contiguous. This trades an occasional copy at a
-departure for never gathering or scattering the cache on a step.
+departure for never gathering or scattering the cache on a step. The one prompt being prefilled
+sits in row n, just after them (a departure moves it down a row with the last running one), so
+when its last chunk is in it joins the running rows where it is.
 
 Speculation under load (the known failure mode of speculative serving). Verifying draft tokens is
 almost free while a forward is bound by reading the weights, which is true for a few tokens per

@@ -37,7 +37,8 @@ def _text_ids(tokenizer, n: int, offset: int = 0) -> list[int]:
 def itl(engine: Engine, chunk: int, long: int, warm: int, after: int) -> dict:
     sched = BatchScheduler(engine.model, engine.tokenizer, max_batch=8, max_model_len=long + 64,
                            prefill_chunk=chunk, prefix_cache_tokens=0)
-    streams = [sched.submit(Request(_text_ids(engine.tokenizer, 40, 100 * i), 10_000 // 4)) for i in range(4)]
+    # Streams of 40-token prompts that could run `long` tokens; cancelled once measured.
+    streams = [sched.submit(Request(_text_ids(engine.tokenizer, 40, 100 * i), long)) for i in range(4)]
     sched.run_once(wait=False)  # the streams' prefills and first step
     phases = {"before": [], "during": [], "after": []}
     for _ in range(warm):
