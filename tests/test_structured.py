@@ -134,6 +134,15 @@ def test_grammar_with_penalties_greedy_identity(plain):
     assert got.token_ids == want.token_ids and got.stats.accepted_tokens > 10
 
 
+def test_min_tokens_never_outlasts_the_grammar(plain):
+    # The choice ends after 2-3 tokens while min_tokens still masks EOS: the grammar wins.
+    spec_engine = Engine(plain.model, plain.tokenizer, drafter=NgramDrafter(), num_speculative_tokens=3)
+    for params in (SamplingParams(min_tokens=10), SamplingParams(min_tokens=10, temperature=1.0, seed=3)):
+        out = spec_engine.generate(prompt="hi", max_new_tokens=20, structured={"choice": ["no", "yes"]},
+                                   sampling=params)
+        assert out.text in ("no", "yes") and out.finish_reason == "stop"
+
+
 def test_masks_leave_the_matcher_at_the_committed_tokens(plain):
     state = plain.compile_structured({"regex": REGEX})
     enc = plain.tokenizer.encode

@@ -927,6 +927,11 @@ class Engine:
         if row.grammar is not None:
             allowed = row.grammar.masks(paths).to(logits.device)  # [len(paths), vocab]
             logits = logits.float().masked_fill(~allowed, float("-inf"))
+            # A row the grammar ends (EOS only) while min_tokens still masks EOS: the grammar wins,
+            # evenly over what it allows, rather than a row without any finite logit.
+            dead = torch.isneginf(logits).all(-1)  # [len(paths)]
+            if dead.any():
+                logits[dead] = torch.zeros_like(logits[dead]).masked_fill(~allowed[dead], float("-inf"))
         return logits
 
     def _pick(self, logits: torch.Tensor, row: Row) -> int:
