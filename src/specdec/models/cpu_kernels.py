@@ -106,8 +106,8 @@ def _build_guard(folder: Path):
 
 @functools.lru_cache(maxsize=None)  # one compiled library per process, like any extension module
 def load():
-    """The compiled module (int8_linear, int8_columns, rms_norm, residual_norm, rope_write,
-    gated_activation), or None where unavailable."""
+    """The compiled module (int8_linear, int8_columns, int4_linear, rms_norm, residual_norm,
+    rope_write, gated_activation, ...), or None where unavailable."""
     if not enabled():
         return None
     from torch.utils import cpp_extension
