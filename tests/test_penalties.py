@@ -64,10 +64,12 @@ def test_adjust_logits_rows_see_their_own_prefix(params):
 
 
 def test_sampling_params_are_checked():
-    for kwargs, name in [({"frequency_penalty": 2.5}, "frequency_penalty"), ({"presence_penalty": -3}, "presence_penalty"),
+    for kwargs, name in [({"frequency_penalty": 2.5}, "frequency_penalty"),
+                         ({"presence_penalty": -3}, "presence_penalty"),
                          ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_tokens": -1}, "min_tokens"),
                          ({"logit_bias": {1: 200}}, "logit_bias"), ({"logit_bias": {-1: 1}}, "logit_bias"),
-                         ({"ignore_eos": 1}, "ignore_eos"), ({"repetition_penalty": float("nan")}, "repetition_penalty")]:
+                         ({"ignore_eos": 1}, "ignore_eos"),
+                         ({"repetition_penalty": float("nan")}, "repetition_penalty")]:
         with pytest.raises(InvalidRequestError) as info:
             SamplingParams(**kwargs)
         assert info.value.param == name

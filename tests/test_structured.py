@@ -114,7 +114,8 @@ def test_greedy_identity_with_every_drafter(folder, plain, spec):
         ids = tokenizer.encode(prompt)
         for drafter, kw in [(NgramDrafter(), {}), (SuffixDrafter(), {}), (NgramDrafter(), {"draft_tree": "3x2x6"}),
                             (DraftModelDrafter(draft, V, draft_p_min=0.0), {}),
-                            (Oracle(ids, want.token_ids), {}), (OracleTree(ids, want.token_ids), {"draft_tree": "4x2x8"})]:
+                            (Oracle(ids, want.token_ids), {}),
+                            (OracleTree(ids, want.token_ids), {"draft_tree": "4x2x8"})]:
             k = {} if "draft_tree" in kw else {"num_speculative_tokens": 4, "draft_length": "fixed"}
             spec_engine = Engine(model, tokenizer, drafter=drafter, **k, **kw)
             got = spec_engine.generate(prompt=prompt, max_new_tokens=40, structured=spec)
