@@ -10,7 +10,7 @@ An option is `key=value` or a bare flag (`adaptive`). Examples::
                                draft length, per match length and at most k)
     suffix:k=5                 suffix cache (learns across the requests of the run)
     draft:model=PATH:k=4       a draft model (or give --draft-model PATH once; a named model's pair is
-                               the default); it runs quantised as the target does (draft_quantize=none|int8)
+                               the default); it runs quantised as the target does (draft_quantize=none|int8|int4)
     draft:k=4:lookup=ngram     prompt lookup first, the draft model where lookup finds nothing
     draft:k=4:vocab=16384      the draft scores only its 16384 most frequent ids (FR-Spec)
     eagle:k=5                  the shipped EAGLE head (eagle:head=DIR for another one)
@@ -39,7 +39,7 @@ from ..errors import InvalidRequestError
 # kind -> (family, {option: type}); "flag" options take no value.
 _DTYPE = str
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")  # as Engine.load takes them
-QUANTIZE_NAMES = ("none", "int8")
+QUANTIZE_NAMES = ("none", "int8", "int4")
 KINDS: dict[str, tuple[str, dict[str, object]]] = {
     "plain": ("specdec", {"dtype": _DTYPE, "quantize": str}),
     "ngram": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str,
