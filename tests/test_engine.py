@@ -130,7 +130,7 @@ def test_quantize_is_checked_against_the_device():
     with pytest.raises(InvalidRequestError, match="needs the CPU"):
         check_quantize("int8", "cuda")
     with pytest.raises(InvalidRequestError, match="unknown quantize"):
-        check_quantize("int4", "cpu")
+        check_quantize("int3", "cpu")
 
 
 def test_auto_dtype_of_an_int8_cpu_model_is_float32(monkeypatch):

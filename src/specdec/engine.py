@@ -197,13 +197,19 @@ def _no_trees(name: str) -> InvalidRequestError:
 
 
 def check_quantize(quantize: str, device: str) -> None:
-    """`quantize` on a resolved device: int8 runs on the CPU, with PyTorch's fbgemm backend."""
+    """`quantize` on a resolved device: int8 and int4 run on the CPU (int4 with the compiled kernels)."""
     from .models.quant import QUANT_MODES, cpu_int8_available
 
     if quantize not in QUANT_MODES:
         raise InvalidRequestError(f"unknown quantize {quantize!r}; choose {' or '.join(QUANT_MODES)}", "quantize")
     if quantize != "none" and (device != "cpu" or not cpu_int8_available()):
-        raise InvalidRequestError("quantize=int8 needs the CPU with PyTorch's fbgemm backend", "quantize")
+        raise InvalidRequestError(f"quantize={quantize} needs the CPU with PyTorch's fbgemm backend", "quantize")
+    if quantize == "int4":
+        from .models import cpu_kernels
+
+        if cpu_kernels.load() is None:  # int4 has no PyTorch fallback
+            raise InvalidRequestError("quantize=int4 needs specdec's compiled CPU kernels, which did not build "
+                                      "here (a C++ compiler and ninja are needed)", "quantize")
 
 
 def check_speculation(num_speculative_tokens: int, draft_length: str, tree, verify_cost: float | None,
