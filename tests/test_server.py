@@ -96,7 +96,7 @@ def tiny_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_folder):
-    return Engine.load(str(tiny_folder), "none", dtype="float32")  # plain: the reference "run alone"
+    return Engine.load(str(tiny_folder), drafter="none", dtype="float32")  # plain: the reference "run alone"
 
 
 # The budget rule only: the goodput rule (unit-tested in test_scheduler.py) would learn that a random
