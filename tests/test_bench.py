@@ -48,7 +48,7 @@ def test_parse_configs_fills_defaults_and_keeps_labels():
     ("ngram:tree=3x2", "DEPTHxTOPKxBUDGET"),
     ("eagle:tree=3x2x6:adaptive", "fixed shape"),
     ("plain:dtype=float64", "dtype must be one of"),
-    ("ngram:quantize=int4", "quantize must be one of"),
+    ("ngram:quantize=int3", "quantize must be one of"),
     ("ngram:min_ngram=4", "min_ngram <= max_ngram"),
     ("draft:k=4", "needs a draft model"),
     ("draft:p_min=2", "p_min must be in [0, 1]"),
