@@ -276,6 +276,36 @@ def draft_chain(choose, advance, logits, k: int) -> Proposal:
     return Proposal(tokens, torch.stack(qs) if qs else None)
 
 
+def draft_rows(drafters, logits: dict, ks: list[int], advance) -> list[Proposal]:
+    """`draft_chain` for several rows at once: row i (a key of `logits`, its next-token logits)
+    drafts up to ks[i] tokens with `drafters[i]._choose`; `advance({i: token})` feeds each still
+    drafting row its last token in one batched call and returns {i: logits after it}. Rows not in
+    `logits` propose nothing. The last draft of a row is never fed: nothing reads its logits yet."""
+    import torch
+
+    tokens: dict[int, list[int]] = {i: [] for i in logits}
+    qs: dict[int, list] = {i: [] for i in logits}
+    active = set(logits)
+    while active:
+        feed = {}
+        for i in sorted(active):
+            token, q = drafters[i]._choose(logits[i])
+            if token is None:
+                active.discard(i)
+                continue
+            tokens[i].append(token)
+            if q is not None:
+                qs[i].append(q)
+            if len(tokens[i]) == ks[i]:
+                active.discard(i)
+            else:
+                feed[i] = token
+        if feed:
+            logits = {**logits, **advance(feed)}
+    return [Proposal(tokens[i], torch.stack(qs[i]) if qs[i] else None) if i in tokens else Proposal([])
+            for i in range(len(drafters))]
+
+
 def common_prefix_length(seen: list[int], context: Sequence[int]) -> int:
     """Length of the longest common prefix of `seen` and `context`.
 

@@ -67,7 +67,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specdec.drafters.base import DrafterBase, DrafterNeeds, Proposal, check_k, common_prefix_length, draft_chain
+from specdec.drafters.base import (DrafterBase, DrafterNeeds, Proposal, check_k, common_prefix_length, draft_chain,
+                                   draft_rows)
 from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
 from specdec.models.transformer import Transformer, soft_cap
@@ -424,29 +425,9 @@ def propose_batch(drafters: list[DraftModelDrafter], contexts: list[list[int]], 
         d._cache.truncate(keep)
         del d._tokens[keep:]
         news[i] = list(context[keep:])
-    tokens: dict[int, list[int]] = {i: [] for i in [*news, *logits]}
-    qs: dict[int, list[Tensor]] = {i: [] for i in tokens}
     if news:
         logits.update(forward(news))
-    active = set(tokens)
-    while active:
-        feed = {}
-        for i in sorted(active):
-            token, q = drafters[i]._choose(logits[i])
-            if token is None:
-                active.discard(i)
-                continue
-            tokens[i].append(token)
-            if q is not None:
-                qs[i].append(q)
-            if len(tokens[i]) == ks[i]:
-                active.discard(i)  # the last draft is never fed: nothing reads its logits yet
-            else:
-                feed[i] = [token]
-        if feed:
-            logits = forward(feed)
-    return [Proposal(tokens[i], torch.stack(qs[i]) if qs[i] else None) if i in tokens else Proposal([])
-            for i in range(len(drafters))]
+    return draft_rows(drafters, logits, ks, lambda feed: forward({i: [t] for i, t in feed.items()}))
 
 
 def check_vocab(vocab) -> None:

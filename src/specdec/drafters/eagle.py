@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from specdec.drafters.base import (FINAL_HIDDEN, DrafterBase, DrafterNeeds, Proposal, check_k, common_prefix_length,
-                                   draft_chain)
+                                   draft_chain, draft_rows)
 from specdec.drafters.draft_model import DraftPool, check_draft_p_min
 from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
@@ -625,34 +625,24 @@ def propose_batch(drafters: list[EagleDrafter], contexts: list[list[int]], ks: l
         committed[i] = n - 1
     if feeds:
         roots.update(step(feeds))
-    tokens: dict[int, list[int]] = {i: [] for i in roots}
-    qs: dict[int, list[Tensor]] = {i: [] for i in roots}
     state = {i: feat for i, (feat, _) in roots.items()}
-    logits = {i: lg for i, (_, lg) in roots.items()}
-    active = set(roots)
-    while active:
-        feed = {}
-        for i in sorted(active):
-            token, q = drafters[i]._choose(logits[i])
-            if token is None:
-                active.discard(i)
-                continue
-            tokens[i].append(token)
-            if q is not None:
-                qs[i].append(q)
-            if len(tokens[i]) == ks[i]:
-                active.discard(i)  # the last draft is never fed: nothing reads its logits yet
-            else:
-                # Autoregressive over its own features: entry n + j consumes (f^, draft token j).
-                feed[i] = (state[i][0], [token], [len(contexts[i]) + len(tokens[i]) - 1])
-        if feed:
-            for i, (feat, lg) in step(feed).items():
-                state[i], logits[i] = feat, lg
+    drafted = {i: 0 for i in roots}
+
+    def advance(feed: dict[int, int]) -> dict[int, Tensor]:
+        # Autoregressive over its own features: entry n + j consumes (f^, draft token j).
+        for i in feed:
+            drafted[i] += 1
+        logits = {}
+        for i, (feat, lg) in step({i: (state[i][0], [t], [len(contexts[i]) + drafted[i] - 1])
+                                   for i, t in feed.items()}).items():
+            state[i], logits[i] = feat, lg
+        return logits
+
+    proposals = draft_rows(drafters, {i: lg for i, (_, lg) in roots.items()}, ks, advance)
     for i in committed:
         # Draft entries were built from predicted features: drop them (see `propose`).
         drafters[i]._cache.truncate(committed[i])
-    return [Proposal(tokens[i], torch.stack(qs[i]) if qs[i] else None) if i in tokens else Proposal([])
-            for i in range(len(drafters))]
+    return proposals
 
 
 def make_eagle_drafter(name: str, target: Transformer, draft_p_min: float | None = None) -> EagleDrafter:
