@@ -466,3 +466,27 @@ def test_machine_line_names_the_cpu_generation_and_its_vector_instructions():
         assert "family" in text
         assert ("AVX2" in text) == ("avx2" in flags)
         assert ("AVX-512" in text) == ("avx512f" in flags)
+
+
+def test_sampled_runs_are_seeded_per_prompt_and_leave_peers_out(tiny):
+    """--temperature > 0: every specdec configuration samples with the prompt's seed (a rerun draws
+    the same texts, plain differs from greedy), peers are skipped with the reason, and no output is
+    held to plain's (sampled speculative text differs from sampled plain text by design)."""
+    from specdec.bench.runner import run_bench
+
+    _, folder, prompts = tiny
+    configs = "plain,ngram:k=2,llama-cpp"
+
+    def bench(temperature):
+        return run_bench(Settings(model=str(folder), max_tokens=12, warmup=0, temperature=temperature, seed=5),
+                         C.parse_configs(configs), P.load_prompt_file(prompts))
+
+    first, again, greedy = bench(1.0), bench(1.0), bench(0.0)
+    assert "llama-cpp" in first.skipped and "greedy only" in first.skipped["llama-cpp"]
+    assert [r.token_ids for r in first.runs] == [r.token_ids for r in again.runs]
+    assert all(r.identical is None for r in first.runs)
+    plain = lambda res: [r.token_ids for r in res.runs if r.config == "plain"]
+    assert plain(first) != plain(greedy)
+    assert "sampled at temperature 1" in R.to_markdown(first, R.summarize(first))
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        bench(-1.0)

@@ -13,7 +13,8 @@ DEFAULT_PER_GROUP = 1  # 6 prompts x 128 tokens x 5 configurations: a few minute
 
 def add_arguments(parser) -> None:
     parser.description = (
-        "Measure plain and speculative decoding (and installed peers) on Spec-Bench prompts, greedy, "
+        "Measure plain and speculative decoding (and installed peers) on Spec-Bench prompts, greedy or "
+        "seeded sampling, "
         "interleaved after a warm-up. Prints a Markdown table (each speedup with its 95% bootstrap interval over "
         "the prompts); --json / --markdown / --plot save more.")
     parser.add_argument("--model", default="default",
@@ -45,6 +46,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--draft-model", metavar="PATH",
                         help="draft model for draft / hf-assist configurations (default: a named target's paired "
                              "draft model)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default): greedy, every output checked against plain; > 0: seeded sampling, the "
+                             "same seed per prompt for every configuration (peers are left out)")
+    parser.add_argument("--seed", type=int, default=0, help="base seed of sampled runs (default 0)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved passes over the prompts (default 1)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up rounds before measuring (default 1)")
@@ -69,6 +74,8 @@ def command_line(args) -> str:
     parts += ["--max-tokens", str(args.max_tokens), "--dtype", args.dtype, "--quantize", args.quantize]
     if args.draft_model:
         parts += ["--draft-model", args.draft_model]
+    if args.temperature:
+        parts += ["--temperature", f"{args.temperature:g}", "--seed", str(args.seed)]
     parts += ["--device", args.device, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
     return shlex.join(parts)
 
@@ -93,7 +100,8 @@ def run(args) -> int:
     prompts = select_prompts(groups, args.per_group, spec_bench_path(args.spec_bench), args.prompts, template,
                              args.chat)
     quantize = resolve_quantize(args.quantize, args.device, args.model)
-    settings = Settings(args.model, args.max_tokens, args.dtype, quantize, args.device, args.repeats, args.warmup)
+    settings = Settings(args.model, args.max_tokens, args.dtype, quantize, args.device, args.repeats, args.warmup,
+                        args.temperature, args.seed)
 
     def log(message: str) -> None:
         (bar.write if bar is not None else lambda m: print(m, file=sys.stderr))(f"bench: {message}")

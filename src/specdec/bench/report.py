@@ -252,6 +252,11 @@ def _identity(s: Summary) -> str:
     return text if s.first_divergence is None else f"{text}, first diff @{s.first_divergence}"
 
 
+def _decoding(st) -> str:
+    t = getattr(st, "temperature", 0.0)
+    return "greedy" if not t else f"sampled at temperature {t:g} (seed {st.seed} + 1000 x repeat + prompt index)"
+
+
 def to_markdown(result: BenchResult, summaries: list[Summary], command: str | None = None) -> str:
     st, m = result.settings, result.machine
     groups = list(dict.fromkeys(s.group for s in summaries if s.group != ALL))
@@ -265,7 +270,7 @@ def to_markdown(result: BenchResult, summaries: list[Summary], command: str | No
     counts = {g: sum(1 for p in result.prompts if p.group == g) for g in groups}
     lines += [
         f"- machine: {machine}; {m.get('platform')}; {versions}; device {st.device}",
-        f"- model: {st.model}; greedy; up to {st.max_tokens} new tokens; {len(result.prompts)} prompts "
+        f"- model: {st.model}; {_decoding(st)}; up to {st.max_tokens} new tokens; {len(result.prompts)} prompts "
         f"({', '.join(f'{g} {n}' for g, n in counts.items())}); {st.repeats} repeat(s), interleaved, "
         f"after {st.warmup} warm-up round(s)",
         "- tokens/s: new tokens / wall time of the whole generate call (prefill included); speedup: over "

@@ -19,7 +19,13 @@ one HF model per dtype.
 Timing. Every configuration, specdec and peers alike, is timed the same way: the wall time of the
 whole generate call on pre-tokenised ids (prefill included, tokenisation excluded), and tokens/s
 counts new tokens only (the prompt is excluded; an EOS that ended the output counts, as one
-generated token). All runs are greedy.
+generated token).
+
+Greedy or sampled. Runs are greedy unless `temperature` > 0. Sampled runs draw with a seed fixed per
+(prompt, repeat), the same for every configuration, so a rerun draws the same texts; speculative
+and plain outputs then differ (they consume the random stream differently) while both follow the
+target's distribution, so "identical to plain" is not asked of them. Peers sample with their own
+samplers and are left out of sampled runs.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ class Settings:
     device: str = "cpu"
     repeats: int = 1
     warmup: int = 1
+    temperature: float = 0.0  # 0 = greedy
+    seed: int = 0  # sampled runs: prompt i of repeat r draws with seed + 1000 * r + i
 
 
 @dataclass
@@ -205,8 +213,11 @@ def _sync(device: str) -> None:
 class SpecdecRunner:
     """A specdec configuration: an Engine around a shared target, with its own drafter."""
 
-    def __init__(self, config: BenchConfig, model, tokenizer, make_drafter: Callable[[], object], device: str):
+    def __init__(self, config: BenchConfig, model, tokenizer, make_drafter: Callable[[], object], device: str,
+                 temperature: float = 0.0):
         self.config = config
+        self.temperature = temperature
+        self.seed: int | None = None  # set by run_bench before each sampled run
         self.model = model
         self.tokenizer = tokenizer
         self.make_drafter = make_drafter
@@ -232,7 +243,8 @@ class SpecdecRunner:
             self.drafter.take_seconds()
         _sync(self.device)
         start = time.perf_counter()
-        gen = self.engine.generate(prompt_ids=list(ids), max_new_tokens=max_new, sampling=SamplingParams())
+        sampling = SamplingParams(temperature=self.temperature, seed=self.seed) if self.temperature > 0 else SamplingParams()
+        gen = self.engine.generate(prompt_ids=list(ids), max_new_tokens=max_new, sampling=sampling)
         _sync(self.device)
         wall = time.perf_counter() - start
         s = gen.stats
@@ -471,6 +483,9 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
         raise InvalidRequestError("--repeats must be >= 1", "repeats")
     if settings.warmup < 0:
         raise InvalidRequestError("--warmup must be >= 0", "warmup")
+    if not (0 <= settings.temperature <= 2):
+        raise InvalidRequestError("--temperature must be in [0, 2]", "temperature")
+    sampled = settings.temperature > 0
     device = resolve_device(settings.device)
     canon = canonical_dtype(device)
     canon(settings.dtype)  # a bad --dtype fails here
@@ -493,7 +508,7 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
         base = targets[key]
         described[c.label] = f"specdec {key[0]}" + (" int8" if key[1] == "int8" else "")
         runners[c.label] = SpecdecRunner(c, base.model, base.tokenizer, _drafter_factory(c, base, drafts, log),
-                                         device)
+                                         device, settings.temperature)
     first = next(iter(targets.values()))
     tokenizer, cfg = first.tokenizer, first.model.config
 
@@ -523,6 +538,10 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
     hf_models: dict[str, object] = {}
     eos = list(cfg.eos_token_ids)
     for c in configs:
+        if sampled and c.family != "specdec":
+            skipped[c.label] = "peers run greedy only here (their samplers differ from specdec's)"
+            log(f"skipping {c.label}: {skipped[c.label]}")
+            continue
         if c.family == "hf":
             dtype = canon(str(c.options.get("dtype", "float32")))
             if dtype not in hf_models:
@@ -588,8 +607,10 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
         for repeat in range(settings.repeats):
             for r in order:
                 r.new_pass()
-            for p, ids in zip(prompts, prompt_ids):
+            for i, (p, ids) in enumerate(zip(prompts, prompt_ids)):
                 for r in order:
+                    if sampled:
+                        r.seed = settings.seed + 1000 * repeat + i
                     # Collect the previous run's garbage now, so a collection it triggers is not
                     # timed as part of this run.
                     gc.collect()
@@ -611,7 +632,8 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
         if not runs:
             raise
     done = {r.prompt_id for r in runs}
-    compare_outputs(runs, baselines)
+    if not sampled:
+        compare_outputs(runs, baselines)
     return BenchResult(settings, configs, baselines, described, [i for i in infos if i.id in done], runs, skipped,
                        probe.kind, machine_info(device), interrupted)
 
