@@ -334,9 +334,9 @@ constexpr int64_t kPackedPassRows = 9;  // rows a pass: 18 sums + the weights in
 // into the L2 while its first pass over the current block computes, one group's cache lines a
 // group. With a few rows the multiply-adds take about as long as the block's bytes take to arrive,
 // and without the requests the two ran one after the other (the hardware's prefetcher does not run
-// far enough ahead of a loop that is busy computing). With 1-2 rows the product is a pure stream,
-// which the hardware prefetcher serves best alone (requests made it slower).
-constexpr int64_t kPrefetchRows = 3;
+// far enough ahead of a loop that is busy computing). One row is a pure stream, which the hardware
+// prefetcher serves best alone (the requests made it slower).
+constexpr int64_t kPrefetchRows = 2;
 
 // In place: a row-major [N16, KP] int8 table (N16 a multiple of 16) into the packed layout above.
 at::Tensor int8_pack(at::Tensor q) {
