@@ -49,7 +49,7 @@ inline const float* optional_data(const c10::optional<at::Tensor>& t, at::Tensor
 // Outputs from this size on are fresh pages at every call: glibc's malloc serves blocks of 32 MiB
 // and more by mmap and unmaps them when freed (smaller freed blocks are reused from its heap). An
 // output head over a server step's rows is such a block (64 rows of a 262k vocabulary: 64 MiB),
-// and touching it 4 KiB page by page cost one page fault each, a quarter of the head's time.
+// and touching it 4 KiB page by page costs a page fault for every page, at every step.
 constexpr int64_t kHugeOutputBytes = int64_t{32} << 20;
 
 // An empty float32 tensor shaped as x with its last dimension n (a linear layer's output). A large
@@ -357,9 +357,10 @@ constexpr int64_t kPackedPassRows = 9;  // rows a pass: 18 sums + the weights in
 // and without the requests the two ran one after the other (the hardware's prefetcher does not run
 // far enough ahead of a loop that is busy computing). One row is a pure stream, which the hardware
 // prefetcher serves best alone (the requests made it slower). The int8 product asks from 3 rows on
-// (its 2-row model forwards were slower with the requests, its 2-row products alone not) and up to
-// kPrefetchMaxRows8: from there on its two vpdpbusd a row and group keep it busy computing and the
-// requests only cost (3% slower products at 32 and 64 rows). The int4 product gains at every size.
+// (whole 2-row forwards were slower with the requests, although its 2-row products alone were not)
+// and up to kPrefetchMaxRows8: beyond, its two vpdpbusd a row and group keep the core computing
+// long enough for the hardware's own prefetch, and the requests only added work. The int4 product
+// gained from them at every size from 2 rows on.
 constexpr int64_t kPrefetchRows = 2;
 constexpr int64_t kPrefetchRows8 = 3, kPrefetchMaxRows8 = 16;
 
