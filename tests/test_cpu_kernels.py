@@ -54,6 +54,8 @@ def test_int8_linear_compiled_paths_equal_pytorch_path(kernels, out_features, in
         for n in range(2, 20):
             assert torch.equal(lin(long[:n]), full[:n]), n
         assert torch.equal(lin(long[7:40]), full[7:40])
+        for n in (32, 64):  # a server step's batch of decode rows
+            assert torch.equal(lin(long[:n]), full[:n]), n
     torch.testing.assert_close(compiled, x @ lin.int8_weight().float().T * lin.weight_scale + (lin.bias if bias else 0),
                                rtol=0, atol=2e-2 * float(x.abs().max()))  # and it is x @ W.T on the grid
 
@@ -79,12 +81,15 @@ def test_int4_linear_vector_path_equals_scalar_path_and_the_formula(kernels, out
         assert torch.equal(out, lin.forward_rows(x))
         for i in range(len(x)):
             assert torch.equal(lin(x[i : i + 1])[0], out[i])
-        long = torch.cat([x, torch.randn(40, in_features, generator=g)])
+        long = torch.cat([x, torch.randn(60, in_features, generator=g)])
         full = lin(long)
         assert torch.equal(full[:9], out)
         for n in range(2, 15):  # every pass size (up to 6 rows a pass) and splits of longer blocks
             assert torch.equal(lin(long[:n]), full[:n]), n
         assert torch.equal(lin(long[7:30]), full[7:30])
+        for n in (32, 64):  # a server step's batch of decode rows
+            assert torch.equal(lin(long[:n]), full[:n]), n
+        assert torch.equal(full, lin.forward_rows(long))  # and the scalar path, row by row
     q, a, b = lin.parts()
     s = (x.abs().amax(dim=1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
     xq = torch.round(x / s).double()

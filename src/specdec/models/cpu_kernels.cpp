@@ -31,6 +31,9 @@
 #include <cstring>
 #include <memory>
 #include <vector>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace {
 
@@ -43,11 +46,29 @@ inline const float* optional_data(const c10::optional<at::Tensor>& t, at::Tensor
   return keep.data_ptr<float>();
 }
 
-// An empty float32 tensor shaped as x with its last dimension n (a linear layer's output).
+// Outputs from this size on are fresh pages at every call: glibc's malloc serves blocks of 32 MiB
+// and more by mmap and unmaps them when freed (smaller freed blocks are reused from its heap). An
+// output head over a server step's rows is such a block (64 rows of a 262k vocabulary: 64 MiB),
+// and touching it 4 KiB page by page costs a page fault for every page, at every step.
+constexpr int64_t kHugeOutputBytes = int64_t{32} << 20;
+
+// An empty float32 tensor shaped as x with its last dimension n (a linear layer's output). A large
+// one asks for transparent huge pages before anything is written to it (where the system grants
+// them on request: 2 MiB a fault instead of 4 KiB; elsewhere the request does nothing).
 inline at::Tensor empty_with_last(const at::Tensor& x, int64_t n) {
   auto shape = x.sizes().vec();
   shape.back() = n;
-  return at::empty(shape, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty(shape, x.options().dtype(at::kFloat));
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const int64_t bytes = out.numel() * static_cast<int64_t>(sizeof(float));
+  if (bytes >= kHugeOutputBytes) {
+    constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+    const uintptr_t begin = (reinterpret_cast<uintptr_t>(out.data_ptr()) + kHuge - 1) & ~(kHuge - 1);
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(out.data_ptr()) + bytes) & ~(kHuge - 1);
+    if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+  }
+#endif
+  return out;
 }
 
 // The int16 grid of Int8Linear (see models/quant.py), one row of x at a time: s = max|x| / 63 (at
@@ -330,6 +351,18 @@ __attribute__((always_inline)) inline void tile(const int16_t* w, const int16_t*
 // a 688-row prefill ~10% less (BENCHMARKS.md, 2026-12-06).
 constexpr int64_t kPackRows = 16;
 constexpr int64_t kPackedPassRows = 9;  // rows a pass: 18 sums + the weights in the 32 registers
+// From this many rows on, a packed product (int8 and int4) asks for the next 16-row block's weights
+// into the L2 while its first pass over the current block computes, one group's cache lines a
+// group. With a few rows the multiply-adds take about as long as the block's bytes take to arrive,
+// and without the requests the two ran one after the other (the hardware's prefetcher does not run
+// far enough ahead of a loop that is busy computing). One row is a pure stream, which the hardware
+// prefetcher serves best alone (the requests made it slower). The int8 product asks from 3 rows on
+// (whole 2-row forwards were slower with the requests, although its 2-row products alone were not)
+// and up to kPrefetchMaxRows8: beyond, its two vpdpbusd a row and group keep the core computing
+// long enough for the hardware's own prefetch, and the requests only added work. The int4 product
+// gained from them at every size from 2 rows on.
+constexpr int64_t kPrefetchRows = 2;
+constexpr int64_t kPrefetchRows8 = 3, kPrefetchMaxRows8 = 16;
 
 // In place: a row-major [N16, KP] int8 table (N16 a multiple of 16) into the packed layout above.
 at::Tensor int8_pack(at::Tensor q) {
@@ -450,7 +483,8 @@ inline void input_planes(const at::Tensor& x, int64_t kp, PlaneRows& rows) {
   }
 template <int MT>
 __attribute__((always_inline)) inline void packed_sums(const int8_t* p, const int32_t* a, int64_t stride, int64_t g0,
-                                                        int64_t g1, const int32_t* offset, int64_t blocks, __m512i* sums) {
+                                                        int64_t g1, const int32_t* offset, int64_t blocks, __m512i* sums,
+                                                        const int8_t* ahead) {
   static_assert(MT >= 1 && MT <= kPackedPassRows, "packed_sums: 1 to 9 rows");
   const __m512i zero = _mm512_setzero_si512(), times = _mm512_set1_epi32(126);
 #define SPECDEC_DECL(m) __m512i h##m = zero, l##m = zero;
@@ -461,6 +495,10 @@ __attribute__((always_inline)) inline void packed_sums(const int8_t* p, const in
   if constexpr (MT <= 4) {
     __m512i h20 = zero, l20 = zero, h21 = zero, l21 = zero, h22 = zero, l22 = zero, h23 = zero, l23 = zero;
     for (; g + 2 <= g1; g += 2, a += 2 * stride) {
+      if (ahead != nullptr) {  // the next block's same two groups (a cache line each)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + g * 64), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + g * 64 + 64), _MM_HINT_T1);
+      }
       const __m512i w = _mm512_loadu_si512(p + g * 64), w2 = _mm512_loadu_si512(p + g * 64 + 64);
       SPECDEC_EVEN(0) SPECDEC_EVEN(1) SPECDEC_EVEN(2) SPECDEC_EVEN(3)
       SPECDEC_ODD(0) SPECDEC_ODD(1) SPECDEC_ODD(2) SPECDEC_ODD(3)
@@ -469,6 +507,7 @@ __attribute__((always_inline)) inline void packed_sums(const int8_t* p, const in
     h2 = _mm512_add_epi32(h2, h22), l2 = _mm512_add_epi32(l2, l22), h3 = _mm512_add_epi32(h3, h23), l3 = _mm512_add_epi32(l3, l23);
   }
   for (; g < g1; ++g, a += stride) {
+    if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + g * 64), _MM_HINT_T1);
     const __m512i w = _mm512_loadu_si512(p + g * 64);
     SPECDEC_ROWS(SPECDEC_EVEN)
   }
@@ -484,21 +523,21 @@ __attribute__((always_inline)) inline void packed_sums(const int8_t* p, const in
 // `int8_output`, 16 lanes at a time (the same roundings lane by lane).
 template <int MT>
 inline void packed_tile(const int8_t* p, const PlaneRows& rows, int64_t n, int64_t m0, int64_t groups, const float* ws,
-                        const float* bias, float* out, int64_t ldo, int64_t valid) {
+                        const float* bias, float* out, int64_t ldo, int64_t valid, const int8_t* ahead) {
   const int32_t* a = rows.words.data() + 2 * m0;
   const int32_t* offset = rows.offset.data() + m0 * rows.blocks;
   const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
   __m512 totals[MT];
   __m512i sums[MT];
   if (rows.blocks == 1) {  // one block: int32 -> float rounds as int32 -> double -> float does
-    packed_sums<MT>(p, a, 2 * n, 0, groups, offset, 1, sums);
+    packed_sums<MT>(p, a, 2 * n, 0, groups, offset, 1, sums, ahead);
     for (int m = 0; m < MT; ++m) totals[m] = _mm512_cvtepi32_ps(sums[m]);
   } else {
     __m512d lo[MT], hi[MT];
     for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm512_setzero_pd();
     for (int64_t blk = 0; blk < rows.blocks; ++blk) {
       const int64_t g0 = blk * kBlockK / 4;
-      packed_sums<MT>(p, a, 2 * n, g0, std::min(groups, g0 + kBlockK / 4), offset + blk, rows.blocks, sums);
+      packed_sums<MT>(p, a, 2 * n, g0, std::min(groups, g0 + kBlockK / 4), offset + blk, rows.blocks, sums, ahead);
       for (int m = 0; m < MT; ++m) {
         lo[m] = _mm512_add_pd(lo[m], _mm512_cvtepi32_pd(_mm512_castsi512_si256(sums[m])));
         hi[m] = _mm512_add_pd(hi[m], _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(sums[m], 1)));
@@ -518,8 +557,8 @@ inline void packed_tile(const int8_t* p, const PlaneRows& rows, int64_t n, int64
 
 // y = Int8Linear(x) with packed weights: per block of 16 outputs, all rows in passes of near-equal
 // size (up to kPackedPassRows): the block's weights stay in the core's caches while every pass
-// reads them. (Asking for the next blocks' weights ahead, as the row-major kernels do, made 1-2
-// rows 8-20% slower here: the stream is regular enough for the hardware's own prefetch.)
+// reads them. From kPrefetchRows8 to kPrefetchMaxRows8 rows, the first pass asks for the next
+// block's weights (above); otherwise the stream is left to the hardware's own prefetch.
 void packed_linear(const at::Tensor& x, const at::Tensor& q, const float* ws, const float* bias, float* out, int64_t n_out) {
   const int64_t kp = q.size(1), n16 = q.size(0), groups = kp / 4, n = x.numel() / x.size(-1);
   const int64_t passes = (n + kPackedPassRows - 1) / kPackedPassRows;
@@ -530,16 +569,18 @@ void packed_linear(const at::Tensor& x, const at::Tensor& q, const float* ws, co
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t col = b * kPackRows, valid = std::min(kPackRows, n_out - col);
       const int8_t* p = qs + col * kp;
+      const bool ask = n >= kPrefetchRows8 && n <= kPrefetchMaxRows8 && col + kPackRows < n16;
+      const int8_t* ahead = ask ? p + kPackRows * kp : nullptr;
       int64_t m = 0;
-      for (int64_t pass = 0; pass < passes; ++pass) {
+      for (int64_t pass = 0; pass < passes; ++pass, ahead = nullptr) {
         const int64_t size = (n - m + (passes - pass) - 1) / (passes - pass);
         const float* bcol = bias != nullptr ? bias + col : nullptr;
         float* o = out + m * n_out + col;
         switch (size) {
-#define SPECDEC_CASE(S) case S: packed_tile<S>(p, rows, n, m, groups, ws + col, bcol, o, n_out, valid); break;
+#define SPECDEC_CASE(S) case S: packed_tile<S>(p, rows, n, m, groups, ws + col, bcol, o, n_out, valid, ahead); break;
           SPECDEC_CASE(9) SPECDEC_CASE(8) SPECDEC_CASE(7) SPECDEC_CASE(6) SPECDEC_CASE(5)
           SPECDEC_CASE(4) SPECDEC_CASE(3) SPECDEC_CASE(2)
-          default: packed_tile<1>(p, rows, n, m, groups, ws + col, bcol, o, n_out, valid); break;
+          default: packed_tile<1>(p, rows, n, m, groups, ws + col, bcol, o, n_out, valid, ahead); break;
 #undef SPECDEC_CASE
         }
         m += size;
@@ -811,11 +852,13 @@ constexpr int64_t kInt4PassRows = 6;  // rows a pass: 3 accumulators each + 8 we
 // stride groups) against one 16-row block: the formula above, 16 outputs a register.
 template <int MT>
 inline void int4_tile(const uint8_t* p, int64_t groups, const int8_t* v, int64_t kp, const float* xsum,
-                      const float* s, const float* bias, float* out, int64_t ldo, int64_t valid) {
+                      const float* s, const float* bias, float* out, int64_t ldo, int64_t valid, const uint8_t* ahead) {
   const __m512i nibble = _mm512_set1_epi8(15);
   __m512 a_total[MT], b_total[MT];
   for (int m = 0; m < MT; ++m) a_total[m] = b_total[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g, p += kInt4GroupBytes) {
+    if (ahead != nullptr)  // the same group of the next block: its 5 cache lines
+      for (int j = 0; j < 5; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + g * kInt4GroupBytes + 64 * j), _MM_HINT_T1);
     __m512i w[8];
     for (int u = 0; u < 4; ++u) {
       const __m512i chunk = _mm512_loadu_si512(p + 64 * u);
@@ -879,17 +922,18 @@ at::Tensor int4_product(at::Tensor x, const at::Tensor& q, const c10::optional<a
         // All rows in passes of near-equal size (9 -> 5 + 4): the block's bytes stay in the core's
         // caches for the later passes.
         const int64_t passes = (n + kInt4PassRows - 1) / kInt4PassRows;
+        const uint8_t* ahead = n >= kPrefetchRows && blk + 1 < q.size(0) / 16 ? p + block_bytes : nullptr;
         int64_t m = 0;
-        for (int64_t pass = 0; pass < passes; ++pass) {
+        for (int64_t pass = 0; pass < passes; ++pass, ahead = nullptr) {
           const int64_t size = (n - m + (passes - pass) - 1) / (passes - pass);
           const int8_t* vm = rows.v + m * kp;
           const float* xm = rows.sums.data() + m * groups;
           const float* sm = rows.s.data() + m;
           float* o = os + m * n_out + col;
           switch (size) {
-#define SPECDEC_CASE(S) case S: int4_tile<S>(p, groups, vm, kp, xm, sm, bcol, o, n_out, valid); break;
+#define SPECDEC_CASE(S) case S: int4_tile<S>(p, groups, vm, kp, xm, sm, bcol, o, n_out, valid, ahead); break;
             SPECDEC_CASE(6) SPECDEC_CASE(5) SPECDEC_CASE(4) SPECDEC_CASE(3) SPECDEC_CASE(2)
-            default: int4_tile<1>(p, groups, vm, kp, xm, sm, bcol, o, n_out, valid); break;
+            default: int4_tile<1>(p, groups, vm, kp, xm, sm, bcol, o, n_out, valid, ahead); break;
 #undef SPECDEC_CASE
           }
           m += size;
