@@ -26,7 +26,8 @@ lives on rank 0 only, whole), verification, the tokenizer, the CLI or server. It
 `ParallelTarget`, which looks like a `Transformer` to the engine: each call that touches the target
 (a forward, the output head on chosen hidden states, a new cache, a cache rollback or row move)
 first broadcasts a `Command` describing it (token ids, positions, mask, cache rows and lengths), then
-runs it on rank 0's own shard. Ranks 1..N-1 (`follow`) receive each command and run the same call on
+runs it on rank 0's own shard; cache changes (new caches, rollbacks, row moves) ride along with the
+next forward or head call, so a step costs two broadcasts whatever its rows' rollbacks. Ranks 1..N-1 (`follow`) receive each command and run the same call on
 their shards, so all ranks reach the same collectives in the same order. Rollback is the same
 `truncate` / `compact` on every rank's share of the cache.
 
@@ -222,9 +223,13 @@ def load_whole(folder, dtype: torch.dtype):
 class Command:
     """One call on the target, as rank 0 tells the other ranks (tensors travel on the CPU)."""
 
-    op: str  # "forward" | "head" | "new_cache" | "cache" | "stop"
+    op: str  # "forward" | "head" | "stop"
     args: tuple = ()
     free: tuple[int, ...] = ()  # caches rank 0 has let go of since the last command
+    # Cache changes since the last command, in order: ("new_cache", id, batch, capacity, dtype) or
+    # ("cache", address, method, args). They matter to a rank only at its next forward or head, so
+    # they travel with it rather than each costing a broadcast of its own.
+    changes: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -279,7 +284,7 @@ class ParallelCache:
 
     # Changes: every rank makes them.
     def _change(self, method: str, *args) -> None:
-        self._target._send("cache", self.address, method, args)
+        self._target._change("cache", self.address, method, args)
         getattr(self.local, method)(*args)
 
     def truncate(self, length, row: int | None = None) -> None:
@@ -318,6 +323,7 @@ class ParallelTarget:
         self._processes = list(processes)
         self._ids = itertools.count()
         self._freed: list[int] = []
+        self._changes: list[tuple] = []
         self._closed = False
         atexit.register(self.close)
 
@@ -329,11 +335,17 @@ class ParallelTarget:
         if self._closed:
             raise SpecdecError("the tensor-parallel ranks have been stopped")
         freed, self._freed = tuple(self._freed), []
-        dist.broadcast_object_list([Command(op, _to(args, "cpu"), freed)], src=0, group=self.control)
+        changes, self._changes = tuple(self._changes), []
+        dist.broadcast_object_list([Command(op, _to(args, "cpu"), freed, changes)], src=0, group=self.control)
+
+    def _change(self, *change) -> None:
+        if self._closed:
+            raise SpecdecError("the tensor-parallel ranks have been stopped")
+        self._changes.append(_to(change, "cpu"))
 
     def new_cache(self, batch: int, capacity: int, device=None, dtype=None) -> ParallelCache:
         cid = next(self._ids)
-        self._send("new_cache", cid, batch, capacity, dtype)
+        self._change("new_cache", cid, batch, capacity, dtype)
         cache = ParallelCache(self, self.model.new_cache(batch, capacity, dtype=dtype), CacheAddress(cid))
         weakref.finalize(cache, self._freed.append, cid)  # the other ranks drop theirs at the next command
         return cache
@@ -388,20 +400,21 @@ def follow(model, control) -> None:
             cmd: Command = box[0]
             for cid in cmd.free:
                 caches.pop(cid, None)
+            for change in _to(cmd.changes, device):
+                if change[0] == "new_cache":
+                    _, cid, batch, capacity, dtype = change
+                    caches[cid] = model.new_cache(batch, capacity, dtype=dtype)
+                else:
+                    _, address, method, call_args = change
+                    getattr(resolve(address), method)(*call_args)
             args = _to(cmd.args, device)
             if cmd.op == "stop":
                 return
-            if cmd.op == "new_cache":
-                cid, batch, capacity, dtype = args
-                caches[cid] = model.new_cache(batch, capacity, dtype=dtype)
-            elif cmd.op == "forward":
+            if cmd.op == "forward":
                 address, tokens, positions, mask, last_n, need_hidden = args
                 model(tokens, positions, resolve(address), mask=mask, last_n=last_n, need_hidden=need_hidden)
             elif cmd.op == "head":
                 model.head(args[0])
-            elif cmd.op == "cache":
-                address, method, call_args = args
-                getattr(resolve(address), method)(*call_args)
             else:
                 raise ValueError(f"unknown command {cmd.op!r}")
 
