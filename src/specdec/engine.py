@@ -149,6 +149,20 @@ def make_drafter(name: str, target: Transformer | None = None, target_tokenizer:
     return drafter
 
 
+def check_tensor_parallel(world: int, device: str, drafter: str) -> None:
+    """--tensor-parallel N against the device (N ranks' worth of cores or GPUs) and the drafter: an
+    EAGLE head reads the target's own features and output head, which the split leaves on no rank."""
+    if world == 1:
+        return
+    from .models.tensor_parallel import check_world
+
+    check_world(world, device)
+    parts = split_name(drafter)
+    if is_eagle_name(drafter) or (parts is not None and is_eagle_name(parts[1])):
+        raise InvalidRequestError("an EAGLE head reads the whole target's features and head, which "
+                                  "--tensor-parallel splits; use ngram, suffix or a draft model", "drafter")
+
+
 def _parallel_target(folder, dtype: torch.dtype, device: str, quantize: str, world: int):
     """The target split over `world` ranks; this process's torch threads shared out among them."""
     import functools
@@ -521,15 +535,7 @@ class Engine:
         device = resolve_device(device)
         quantize = resolve_quantize(quantize, device, target)
         drafter, draft_p_min = resolve_drafter(drafter, target, draft_p_min)
-        if tensor_parallel != 1:
-            from .models.tensor_parallel import check_world
-
-            check_world(tensor_parallel, device)
-            parts = split_name(drafter)
-            if is_eagle_name(drafter) or (parts is not None and is_eagle_name(parts[1])):
-                raise InvalidRequestError("an EAGLE head reads the whole target's features and head, which "
-                                          "--tensor-parallel splits; use ngram, suffix or a draft model",
-                                          "drafter")
+        check_tensor_parallel(tensor_parallel, device, drafter)
         if draft_quantize not in (None, "auto"):
             check_quantize(draft_quantize, device)
         from .drafters.draft_model import check_vocab
