@@ -187,12 +187,29 @@ def test_more_ranks_than_cores_or_devices(monkeypatch):
         tp.check_world(2, "cuda")
 
 
-def test_cli_errors_are_one_line(models, capsys):
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_errors_are_one_line(models, capsys, command):
     from specdec.cli import main
 
-    for args, needle in [(["--tensor-parallel", "0"], ">= 1"), (["--tensor-parallel", "64"], "CPU cores"),
-                         (["--tensor-parallel", "2", "--drafter", "eagle"], "EAGLE")]:
-        code = main(["generate", "--model", str(models["folder"]), "--prompt-ids", "5,6", *args])
+    cases = [(["--tensor-parallel", "0"], ">= 1"), (["--tensor-parallel", "64"], "CPU cores"),
+             (["--tensor-parallel", "2", "--drafter", "eagle"], "EAGLE")]
+    if command == "serve":
+        cases.append((["--tensor-parallel", "2", "--replicas", "2"], "--replicas together"))
+    for args, needle in cases:
+        extra = ["--prompt-ids", "5,6"] if command == "generate" else ["--port", "0"]
+        code = main([command, "--model", str(models["folder"]), *extra, *args])  # before any rank starts
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and err[-1].startswith("specdec: error:") and needle in err[-1], err
         assert not any("Traceback" in line for line in err)
+
+
+def test_serve_settings_turn_the_prefix_cache_off_under_tp():
+    from specdec.cli import _parser
+    from specdec.server.cli import settings_from_args
+
+    def settings(*argv):
+        return settings_from_args(_parser().parse_args(["serve", *argv]))
+
+    assert settings().prefix_cache_tokens > 0 and settings().tensor_parallel == 1
+    split_settings = settings("--tensor-parallel", "2")
+    assert split_settings.tensor_parallel == 2 and split_settings.prefix_cache_tokens == 0
