@@ -55,13 +55,11 @@ def close_at_end():
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A tiny Gemma 3 target (tied head, q/k norms, sliding windows, 4 heads over 2 kv heads) whole
-    in this process, and another tiny Gemma 3 of the same vocabulary as a draft model."""
-    root = tmp_path_factory.mktemp("tp")
-    folder, _ = conftest.make_tiny_hf(root / "target", "gemma3", seed=0)
-    draft_folder, _ = conftest.make_tiny_hf(root / "draft", "gemma3", seed=1)
+    in this process, and a noisy copy of it as a draft model (it agrees with the target partly, so
+    its drafts are both accepted and rejected)."""
+    folder, _ = conftest.make_tiny_hf(tmp_path_factory.mktemp("tp"), "gemma3", seed=0)
     whole, _ = loader.load(folder, torch.float32, "cpu")
-    draft, _ = loader.load(draft_folder, torch.float32, "cpu")
-    return dict(folder=folder, whole=whole, draft=draft)
+    return dict(folder=folder, whole=whole, draft=tdm.noisy_copy(whole, 0.5, 3))
 
 
 def float_split(models) -> tp.ParallelTarget:
