@@ -498,6 +498,9 @@ def launch(spec: Launch) -> ParallelTarget:
     import multiprocessing as mp
 
     check_world(spec.world, spec.device)
+    if dist.is_initialized():
+        raise SpecdecError("this process already holds a tensor-parallel target (one process group per "
+                           "process): close() it first")
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if world != spec.world:
