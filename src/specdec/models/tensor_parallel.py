@@ -27,9 +27,10 @@ lives on rank 0 only, whole), verification, the tokenizer, the CLI or server. It
 (a forward, the output head on chosen hidden states, a new cache, a cache rollback or row move)
 first broadcasts a `Command` describing it (token ids, positions, mask, cache rows and lengths), then
 runs it on rank 0's own shard; cache changes (new caches, rollbacks, row moves) ride along with the
-next forward or head call, so a step costs two broadcasts whatever its rows' rollbacks. Ranks 1..N-1 (`follow`) receive each command and run the same call on
-their shards, so all ranks reach the same collectives in the same order. Rollback is the same
-`truncate` / `compact` on every rank's share of the cache.
+next forward or head call, so a step costs two broadcasts whatever its rows' rollbacks. Ranks
+1..N-1 (`follow`) receive each command and run the same call on their shards, so all ranks reach
+the same collectives in the same order. Rollback is the same `truncate` / `compact` on every rank's
+share of the cache.
 
 The quantised paths. The split is made on the float weights, then each rank quantises its own share
 (int8 / int4 rows and scales are per output row, so a column-split projection quantises exactly as
@@ -284,8 +285,8 @@ class ParallelCache:
 
     # Changes: every rank makes them.
     def _change(self, method: str, *args) -> None:
+        getattr(self.local, method)(*args)  # first here: a change rank 0 refuses never reaches the others
         self._target._change("cache", self.address, method, args)
-        getattr(self.local, method)(*args)
 
     def truncate(self, length, row: int | None = None) -> None:
         self._change("truncate", length if isinstance(length, int) else torch.as_tensor(length).cpu(), row)
@@ -400,23 +401,33 @@ def follow(model, control) -> None:
             cmd: Command = box[0]
             for cid in cmd.free:
                 caches.pop(cid, None)
-            for change in _to(cmd.changes, device):
-                if change[0] == "new_cache":
-                    _, cid, batch, capacity, dtype = change
-                    caches[cid] = model.new_cache(batch, capacity, dtype=dtype)
-                else:
-                    _, address, method, call_args = change
-                    getattr(resolve(address), method)(*call_args)
-            args = _to(cmd.args, device)
             if cmd.op == "stop":
                 return
-            if cmd.op == "forward":
-                address, tokens, positions, mask, last_n, need_hidden = args
-                model(tokens, positions, resolve(address), mask=mask, last_n=last_n, need_hidden=need_hidden)
-            elif cmd.op == "head":
-                model.head(args[0])
-            else:
-                raise ValueError(f"unknown command {cmd.op!r}")
+            try:
+                _run(model, caches, resolve, cmd, device)
+            except (SpecdecError, ValueError, IndexError, RuntimeError) as exc:
+                # The same call failed the same way on rank 0 (the same shapes and lengths), at the
+                # same point, so the ranks stay in step: wait for its next command. (Where a rank
+                # is lost, the next broadcast fails too, and that ends this rank.)
+                print(f"specdec: rank {dist.get_rank()}: {cmd.op} failed: {exc}", file=sys.stderr)
+
+
+def _run(model, caches: dict, resolve, cmd: Command, device) -> None:
+    for change in _to(cmd.changes, device):
+        if change[0] == "new_cache":
+            _, cid, batch, capacity, dtype = change
+            caches[cid] = model.new_cache(batch, capacity, dtype=dtype)
+        else:
+            _, address, method, call_args = change
+            getattr(resolve(address), method)(*call_args)
+    args = _to(cmd.args, device)
+    if cmd.op == "forward":
+        address, tokens, positions, mask, last_n, need_hidden = args
+        model(tokens, positions, resolve(address), mask=mask, last_n=last_n, need_hidden=need_hidden)
+    elif cmd.op == "head":
+        model.head(args[0])
+    else:
+        raise ValueError(f"unknown command {cmd.op!r}")
 
 
 # -- launching ------------------------------------------------------------------------------------
