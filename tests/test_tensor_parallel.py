@@ -151,8 +151,8 @@ def test_sampling_follows_the_split_targets_exact_distribution(monkeypatch):
     assert target.model.layers[0].self_attn.kv_heads == 1
     params = SamplingParams(temperature=0.7, top_k=3)
     drafter = DraftModelDrafter(tdm.small_model(1), tdm.SMALL_V)
-    sched = BatchScheduler(target, None, drafter="d", drafters={"d": drafter}, num_speculative_tokens=2, max_batch=16, max_queue=tdm.SAMPLES, max_model_len=16,
-                           adaptive=False).start()
+    sched = BatchScheduler(target, None, drafter="d", drafters={"d": drafter}, num_speculative_tokens=2,
+                           max_batch=16, max_queue=tdm.SAMPLES, max_model_len=16, adaptive=False).start()
     handles = [sched.submit(Request(tdm.PROMPT, tdm.N_NEW, SamplingParams(temperature=params.temperature,
                                                                            top_k=params.top_k, seed=seed)))
                for seed in range(tdm.SAMPLES)]
