@@ -201,6 +201,26 @@ def test_cli_errors_are_one_line(models, capsys, command):
         assert not any("Traceback" in line for line in err)
 
 
+def fails_outside_the_main_process():
+    """A builder that works on rank 0 and fails on the spawned rank."""
+    import multiprocessing
+
+    if multiprocessing.current_process().name != "MainProcess":
+        raise MemoryError("no room for this share")
+    return tdm.small_model(0)
+
+
+def test_a_rank_that_cannot_load_is_a_clear_error():
+    from specdec.errors import ModelLoadError
+
+    for target in _live.values():
+        target.close()
+    _live.clear()
+    with pytest.raises(ModelLoadError, match="rank 1 could not load its share: MemoryError: no room"):
+        tp.launch(tp.Launch(fails_outside_the_main_process, 2))
+    assert not torch.distributed.is_initialized()
+
+
 def test_serve_settings_turn_the_prefix_cache_off_under_tp():
     from specdec.cli import _parser
     from specdec.server.cli import settings_from_args

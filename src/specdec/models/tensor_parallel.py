@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..errors import InvalidRequestError, SpecdecError
+from ..errors import InvalidRequestError, ModelLoadError, SpecdecError
 from .kv_cache import KVCache
 from .layer import Layer
 
@@ -477,15 +477,43 @@ def _backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def _worker(rank: int, spec: Launch, init_method: str) -> None:
-    """A spawned rank 1..N-1: join the group, make its shard, follow rank 0."""
+def _worker(rank: int, spec: Launch, init_method: str, ready) -> None:
+    """A spawned rank 1..N-1: make its shard, say so on `ready` (or why not), join the group,
+    follow rank 0."""
     torch.set_num_threads(spec.threads)
-    device = _rank_device(spec.device, rank)
-    model = make_share(spec.builder, rank, spec.world, spec.quantize)
+    try:
+        device = _rank_device(spec.device, rank)
+        model = make_share(spec.builder, rank, spec.world, spec.quantize)
+    except BaseException as exc:
+        ready.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from None
+    ready.put((rank, None))
     dist.init_process_group(_backend(spec.device), init_method=init_method, rank=rank, world_size=spec.world,
                             timeout=TIMEOUT)
     follow(*_connect(model, spec, device))
     dist.destroy_process_group()
+
+
+def _wait_ready(ready, processes) -> None:
+    """Every spawned rank's share made, or a clear error: the group's rendezvous would otherwise
+    wait for a rank that died loading its share until the timeout."""
+    import queue
+
+    waiting = len(processes)
+    while waiting:
+        try:
+            rank, error = ready.get(timeout=1.0)
+        except queue.Empty:
+            dead = [i + 1 for i, p in enumerate(processes) if p.exitcode is not None]
+            if dead and not ready.empty():  # it said why just before it ended
+                continue
+            if dead:
+                raise ModelLoadError(f"tensor-parallel rank {dead[0]} ended while loading its share "
+                                     f"(exit code {processes[dead[0] - 1].exitcode})") from None
+            continue
+        if error is not None:
+            raise ModelLoadError(f"tensor-parallel rank {rank} could not load its share: {error}")
+        waiting -= 1
 
 
 def _free_port() -> int:
@@ -530,7 +558,8 @@ def launch(spec: Launch) -> ParallelTarget:
         return ParallelTarget(model, spec.world, control)
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
-    processes = [ctx.Process(target=_worker, args=(rank, spec, init_method), daemon=True)
+    ready = ctx.Queue()
+    processes = [ctx.Process(target=_worker, args=(rank, spec, init_method, ready), daemon=True)
                  for rank in range(1, spec.world)]
     for p in processes:
         p.start()
@@ -538,6 +567,7 @@ def launch(spec: Launch) -> ParallelTarget:
         torch.set_num_threads(spec.threads)
         device = _rank_device(spec.device, 0)
         model = make_share(spec.builder, 0, spec.world, spec.quantize)
+        _wait_ready(ready, processes)
         dist.init_process_group(_backend(spec.device), init_method=init_method, rank=0, world_size=spec.world,
                                 timeout=TIMEOUT)
         model, control = _connect(model, spec, device)
