@@ -165,6 +165,26 @@ def test_sampling_follows_the_split_targets_exact_distribution(monkeypatch):
     assert tdm.chi_square_p(target, params, counts) > 1e-3
 
 
+def test_torchrun_starts_the_ranks(models):
+    """The documented torchrun launch: every rank runs the same `specdec generate`, rank 0 prints
+    the output (the greedy tokens of one process), the other ranks follow and exit with it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    ids = prompts(1)[0]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "specdec.cli",
+           "generate", "--model", str(models["folder"]), "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", "12",
+           "--drafter", "ngram", "--dtype", "float32", "--tensor-parallel", "2", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # rank 0 alone prints
+    plain = Engine(models["whole"], None).generate(prompt_ids=ids, max_new_tokens=12, speculative=False)
+    assert json.loads(lines[0])["token_ids"] == plain.token_ids
+
+
 # -- bad input: one clear error, before any rank starts ---------------------------------------------------
 
 def test_ranks_must_divide_the_heads(models, monkeypatch):
