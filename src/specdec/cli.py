@@ -87,6 +87,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="auto (bfloat16 on CUDA and on CPUs with native bfloat16, float32 otherwise and for int8) "
                           "| float32 | bfloat16 | float16")
     gen.add_argument("--device", default="cpu", help="cpu | cuda")
+    gen.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                     help="split the target over N processes (attention heads, MLP columns and the output "
+                          "head's vocabulary; gloo on the CPU, NCCL on CUDA, one GPU a rank): specdec spawns "
+                          "ranks 1..N-1 itself, or run it under `torchrun --nproc-per-node N`; the drafter "
+                          "and verification run on rank 0 (README, Tensor parallelism)")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--compare", action="store_true", help="run plain and speculative decoding, compare")
@@ -194,7 +199,8 @@ def _generate(args) -> int:
                          device=args.device, dtype=args.dtype, draft_length=args.draft_length, progress=_progress,
                          draft_p_min=args.draft_p_min, quantize=args.quantize,
                          draft_tree=args.tree, verify_cost=args.verify_cost, verify_overhead=args.verify_overhead,
-                         draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab)
+                         draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab,
+                         tensor_parallel=args.tensor_parallel)
     prompt = args.prompt
     if chat:
         if engine.tokenizer is None:

@@ -149,6 +149,30 @@ def make_drafter(name: str, target: Transformer | None = None, target_tokenizer:
     return drafter
 
 
+def check_tensor_parallel(world: int, device: str, drafter: str) -> None:
+    """--tensor-parallel N against the device (N ranks' worth of cores or GPUs) and the drafter: an
+    EAGLE head reads the target's own features and output head, which the split leaves on no rank."""
+    if world == 1:
+        return
+    from .models.tensor_parallel import check_world
+
+    check_world(world, device)
+    parts = split_name(drafter)
+    if is_eagle_name(drafter) or (parts is not None and is_eagle_name(parts[1])):
+        raise InvalidRequestError("an EAGLE head reads the whole target's features and head, which "
+                                  "--tensor-parallel splits; use ngram, suffix or a draft model", "drafter")
+
+
+def _parallel_target(folder, dtype: torch.dtype, device: str, quantize: str, world: int):
+    """The target split over `world` ranks; this process's torch threads shared out among them."""
+    import functools
+
+    from .models import tensor_parallel as tp
+
+    threads = max(1, torch.get_num_threads() // world)
+    return tp.launch(tp.Launch(functools.partial(tp.load_whole, folder, dtype), world, quantize, device, threads))
+
+
 def draft_quantize_for(draft_quantize: str | None, target: Transformer) -> str:
     """The draft model's quantisation: as asked, or ("auto" / None) the target's."""
     from .models.quant import Int8Linear
@@ -487,8 +511,14 @@ class Engine:
         screen_verify: bool = True,
         draft_quantize: str | None = None,
         draft_vocab: int | None = None,
+        tensor_parallel: int = 1,
     ) -> "Engine":
         """Load a target (and drafter) ready to generate.
+
+        `tensor_parallel` N > 1 splits the target over N processes (`models/tensor_parallel.py`):
+        this process is rank 0 and runs the drafter and verification; the other ranks are spawned
+        here (or are torchrun's). The drafter must not read the target's internals (an EAGLE head
+        does), and a named model with a paired draft model keeps that draft model, whole, here.
 
         `draft_tree` (e.g. "5x4x24", see `TreeShape`) drafts token trees instead of chains; the
         drafter must be one that proposes trees (eagle, ngram).
@@ -505,6 +535,7 @@ class Engine:
         device = resolve_device(device)
         quantize = resolve_quantize(quantize, device, target)
         drafter, draft_p_min = resolve_drafter(drafter, target, draft_p_min)
+        check_tensor_parallel(tensor_parallel, device, drafter)
         if draft_quantize not in (None, "auto"):
             check_quantize(draft_quantize, device)
         from .drafters.draft_model import check_vocab
@@ -527,10 +558,17 @@ class Engine:
         # The tokenizer first: reading Gemma's 262k-token vocabulary peaks at ~0.5 GB of parser
         # temporaries, which are handed back before the weights arrive rather than on top of them.
         folder = loader.resolve(target, progress)
-        loader.read_config(folder)  # a bad config fails before the tokenizer is read
+        config = loader.read_config(folder)  # a bad config fails before the tokenizer is read
+        if tensor_parallel != 1:
+            from .models.tensor_parallel import check_split
+
+            check_split(config, tensor_parallel)
         tokenizer = Tokenizer.from_folder(folder)
         loader.release_freed_memory()
-        model, _ = loader.load(folder, torch_dtype, device, progress, quantize)
+        if tensor_parallel != 1:
+            model = _parallel_target(folder, torch_dtype, device, quantize, tensor_parallel)
+        else:
+            model, _ = loader.load(folder, torch_dtype, device, progress, quantize)
         if draft_path:
             made = make_drafter(drafter, model, tokenizer, draft_p_min, progress, draft_quantize=draft_quantize,
                                  draft_vocab=draft_vocab)

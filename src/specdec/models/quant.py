@@ -466,7 +466,8 @@ def quantize_model(model: nn.Module, mode: str, weights: dict | None = None) -> 
         return model
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantisation {mode!r}")
-    tied = model.config.tie_embeddings
+    # Tied where the head still is the embedding (a tensor-parallel rank's head is its own slice).
+    tied = model.config.tie_embeddings and model.lm_head.weight is model.embed_tokens.weight
     scratch = torch.empty(_BLOCK_ELEMENTS)  # one buffer for every layer's blocks (`quantize_rows`)
 
     def source(module: nn.Module, prefix: str, kind: str):

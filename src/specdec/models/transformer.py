@@ -547,11 +547,12 @@ class Transformer(Layer):
         return self
 
     def new_cache(self, batch: int, capacity: int, device=None, dtype=None) -> KVCache:
+        """A cache for the kv heads this model's attention holds: all of them, or a tensor-parallel
+        rank's share (`tensor_parallel.split_model`)."""
         p = self.embed_tokens.weight
         cfg = self.config
-        return KVCache(
-            cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, capacity, dtype or p.dtype, device or p.device
-        )
+        kv_heads = self.layers[0].self_attn.kv_heads if len(self.layers) else cfg.num_kv_heads
+        return KVCache(cfg.num_layers, batch, kv_heads, cfg.head_dim, capacity, dtype or p.dtype, device or p.device)
 
     @torch.inference_mode()
     def forward(

@@ -69,6 +69,7 @@ class ServerSettings:
     dtype: str = "auto"
     device: str = "cpu"
     quantize: str = "none"
+    tensor_parallel: int = 1  # ranks the target is split over (`models/tensor_parallel.py`)
 
 
 @dataclass
@@ -120,7 +121,8 @@ def load_model(settings: ServerSettings) -> tuple[Transformer, Tokenizer | None]
     """Load the target model and its tokenizer (the drafters are loaded for it by `create_app`)."""
     from ..engine import Engine
 
-    engine = Engine.load(settings.model, device=settings.device, dtype=settings.dtype, quantize=settings.quantize)
+    engine = Engine.load(settings.model, device=settings.device, dtype=settings.dtype, quantize=settings.quantize,
+                         tensor_parallel=settings.tensor_parallel)
     return engine.model, engine.tokenizer
 
 

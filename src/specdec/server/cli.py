@@ -56,6 +56,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                         help="auto (default): int8 on the CPU when the weights come quantised (the default model, a "
                              "named model, a .gguf file), else none")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="split the target over N processes (gloo on the CPU, NCCL on CUDA; README, Tensor "
+                             "parallelism); the drafters run on rank 0; turns the prefix cache off (each rank "
+                             "would keep its own share of a prefix)")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level")
     ray = parser.add_argument_group("replicas under Ray Serve (pip install 'specdec[ray]')")
     ray.add_argument("--replicas", type=int, default=0,
@@ -98,6 +102,9 @@ def settings_from_args(args):
                                   f"--max-replicas ({hi})", "replicas")
     if args.target_ongoing_requests is not None and not args.target_ongoing_requests > 0:
         raise InvalidRequestError("--target-ongoing-requests must be > 0", "target_ongoing_requests")
+    if args.tensor_parallel != 1 and args.replicas:
+        raise InvalidRequestError("--tensor-parallel and --replicas together are not supported: each replica "
+                                  "would need its own ranks", "tensor_parallel")
     if args.replica_cpus < 0:
         raise InvalidRequestError("--replica-cpus must be >= 0", "replica_cpus")
     name = args.served_model_name
@@ -111,9 +118,9 @@ def settings_from_args(args):
                           num_speculative_tokens=args.num_speculative_tokens, max_batch=args.max_batch,
                           max_queue=args.max_queue, max_model_len=args.max_model_len,
                           spec_token_budget=args.spec_token_budget, prefill_chunk=args.prefill_chunk,
-                          prefix_cache_tokens=args.prefix_cache_tokens,
+                          prefix_cache_tokens=0 if args.tensor_parallel != 1 else args.prefix_cache_tokens,
                           speculation_control=args.speculation_control, api_key=args.api_key, dtype=args.dtype,
-                          device=args.device, quantize=args.quantize)
+                          device=args.device, quantize=args.quantize, tensor_parallel=args.tensor_parallel)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -144,7 +151,8 @@ def bind(host: str, port: int) -> socket.socket:
 def run(args) -> int:
     import uvicorn
 
-    from ..engine import check_quantize, draft_model_path, resolve_device, resolve_dtype, resolve_quantize
+    from ..engine import (check_quantize, check_tensor_parallel, draft_model_path, resolve_device, resolve_dtype,
+                          resolve_quantize)
     from ..models.loader import check_path
     from .app import create_app
 
@@ -159,6 +167,7 @@ def run(args) -> int:
     if settings.model != "default":
         check_path(settings.model)
     draft_model_path(settings.drafter)  # an unknown drafter or a missing path fails here
+    check_tensor_parallel(settings.tensor_parallel, device, settings.drafter)
     if args.replicas:
         if args.ray_address is None:
             # The local Ray started for this server stays on this machine's loopback; Ray otherwise
