@@ -14,7 +14,9 @@ import httpx
 import pytest
 
 from specdec.server.app import ServerSettings
-from test_server import SETTINGS, free_port, greedy, make_char_tokenizer
+from test_server import SETTINGS, free_port, greedy
+
+from helpers import make_char_tokenizer, make_tiny_hf
 
 # Loopback only: Ray turns 127.0.0.1 into the machine's address unless told (before it is imported)
 # that this is no cluster.
@@ -27,7 +29,7 @@ HOST = "127.0.0.1"
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    folder, _ = __import__("conftest").make_tiny_hf(tmp_path_factory.mktemp("ray"), "gemma3")
+    folder, _ = make_tiny_hf(tmp_path_factory.mktemp("ray"), "gemma3")
     make_char_tokenizer(folder)
     return folder
 

@@ -26,24 +26,6 @@ from specdec.server.app import ServerSettings, create_app, load_model
 HOST = "127.0.0.1"
 
 
-def make_char_tokenizer(folder) -> None:
-    """Save a character-level tokenizer (ids 0-2 special, 3..96 = ASCII 32..125) with a chat template."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as RawTokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
-    for c in range(32, 126):
-        vocab[chr(c)] = len(vocab)
-    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    raw.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
-    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>{% endif %}")
-    tok.save_pretrained(str(folder))
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -85,18 +67,6 @@ def metric(url: str, name: str, labels: str = "") -> float:
             if extra == labels:
                 return float(line.rsplit(" ", 1)[1])
     return 0.0
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder, _ = __import__("conftest").make_tiny_hf(tmp_path_factory.mktemp("srv"), "gemma3")
-    make_char_tokenizer(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_folder):
-    return Engine.load(str(tiny_folder), drafter="none", dtype="float32")  # plain: the reference "run alone"
 
 
 # The budget rule only: the goodput rule (unit-tested in test_scheduler.py) would learn that a random
