@@ -8,6 +8,7 @@ subprocess to check SIGTERM draining; a few run on the default model.
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import httpx
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import Engine, SamplingParams
 from specdec.server.app import ServerSettings, create_app, load_model
@@ -60,12 +62,14 @@ class ThreadServer:
 
 
 def metric(url: str, name: str, labels: str = "") -> float:
-    """One sample of /metrics; `labels` = the label text after model_name, e.g. ',position="0"'."""
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(f"specdec:{name}{{"):
-            extra = line[line.index("{") + 1 : line.index("}")].split('"', 2)[2]
-            if extra == labels:
-                return float(line.rsplit(" ", 1)[1])
+    """One sample of /metrics: specdec:`name` with these labels besides model_name, written as
+    label text (e.g. ',position="0"'); 0 when the server has no such sample yet."""
+    wanted = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            rest = {k: v for k, v in sample.labels.items() if k != "model_name"}
+            if sample.name == f"specdec:{name}" and rest == wanted:
+                return sample.value
     return 0.0
 
 
