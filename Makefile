@@ -13,9 +13,9 @@ $(BIN)/python:
 # torch first, pinned: it takes the CPU build from this machine's disk instead of a multi-GB CUDA build.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
-	# The ray and structured extras too: tests/test_ray_serve.py runs two replicas under a local Ray
-	# Serve, tests/test_structured.py compiles grammars with llguidance.
-	$(BIN)/pip install -q -e '.[test,ray,structured]'
+	# Every extra (server, bench, ray, structured): the tests cover the server, the plots, two
+	# replicas under a local Ray Serve and grammars compiled with llguidance.
+	$(BIN)/pip install -q -e '.[test,all]'
 	# The compiled CPU kernels (models/cpu_kernels.cpp), built once now rather than at first use.
 	$(BIN)/python -c "from specdec.models import cpu_kernels; print('specdec CPU kernels:', 'ready' if cpu_kernels.load() else 'unavailable, PyTorch paths in use')"
 	touch $(STAMP)

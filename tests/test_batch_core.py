@@ -23,11 +23,12 @@ from specdec.models import loader
 from specdec.scheduler import BatchScheduler, Request, RequestHandle, serving_drafters
 from specdec.train import TrainConfig, train_model
 
-conftest = __import__("conftest")
-te = __import__("test_eagle")
-tdm = __import__("test_draft_model")
-ts = __import__("test_server")
-V = conftest.TINY_VOCAB
+from helpers import TINY_VOCAB, make_char_tokenizer, make_tiny_hf
+
+import test_eagle as te
+import test_draft_model as tdm
+import test_server as ts
+V = TINY_VOCAB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,8 +40,8 @@ def pair(tmp_path_factory):
     """A tiny Gemma 3 target (with a character tokenizer, for the server), its 2-layer cut as a
     draft model (`train-draft --kind model --steps 0`) and a random EAGLE head."""
     root = tmp_path_factory.mktemp("pair")
-    folder, _ = conftest.make_tiny_hf(root, "gemma3")
-    ts.make_char_tokenizer(folder)
+    folder, _ = make_tiny_hf(root, "gemma3")
+    make_char_tokenizer(folder)
     target, _ = loader.load(folder, torch.float32, "cpu")
     draft_dir = train_model(target, None, root / "draft", TrainConfig(kind="model", steps=0, layers=2, pick="first"),
                             log=lambda *a: None)

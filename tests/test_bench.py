@@ -15,7 +15,7 @@ from specdec.bench.runner import BenchResult, PromptInfo, Run, Settings, compare
 from specdec.cli import main
 from specdec.errors import InvalidRequestError
 
-from conftest import make_tiny_hf
+from helpers import make_tiny_hf
 
 # -- configurations ------------------------------------------------------------------------------
 

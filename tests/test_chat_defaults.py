@@ -11,8 +11,7 @@ from specdec import Engine
 from specdec.cli import main
 from specdec.engine import resolve_drafter, resolve_quantize
 
-from conftest import make_tiny_hf
-from test_server import make_char_tokenizer
+from helpers import make_char_tokenizer, make_tiny_hf
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,10 @@ from specdec.drafters.eagle import EagleDrafter
 from specdec.engine import draft_model_path
 from specdec.errors import InvalidRequestError
 
-te = __import__("test_eagle")
-tdm = __import__("test_draft_model")
-prompts = __import__("conftest").random_prompts
+from helpers import random_prompts as prompts
+
+import test_eagle as te
+import test_draft_model as tdm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,6 +10,8 @@ from specdec.models import cpu_kernels, loader
 from specdec.models.quant import Int8Linear, cpu_int8_available
 from specdec.models.transformer import RMSNorm
 
+from helpers import make_tiny_hf
+
 
 @pytest.fixture(scope="module")
 def kernels():
@@ -174,7 +176,7 @@ def test_attention_matches_sdpa_and_each_row_stands_alone(kernels, heads, kv_hea
 
 
 def test_model_uses_kernels_under_inference_only_and_matches(kernels, tmp_path, monkeypatch):
-    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, "gemma3")
+    folder, _ = make_tiny_hf(tmp_path, "gemma3")
     model, _ = loader.load(folder, torch.float32, "cpu")
     ids = torch.arange(20)[None]
     calls = collections.Counter()

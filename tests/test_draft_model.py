@@ -20,9 +20,7 @@ from specdec.models import loader
 from specdec.models.transformer import ModelConfig, RopeSpec, Transformer
 from specdec.sampling import make_generator, process_logits, sample
 
-make_tiny_hf = __import__("conftest").make_tiny_hf
-V = __import__("conftest").TINY_VOCAB
-prompts = __import__("conftest").random_prompts
+from helpers import TINY_VOCAB as V, make_tiny_hf, random_prompts as prompts
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

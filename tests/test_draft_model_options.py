@@ -15,9 +15,8 @@ from specdec.models.quant import cpu_int8_available, quantize_model
 
 from test_draft_model import SMALL_V, noisy_copy, p_value, small_model
 
-make_tiny_hf = __import__("conftest").make_tiny_hf
-V = __import__("conftest").TINY_VOCAB
-prompts = __import__("conftest").random_prompts
+from helpers import TINY_VOCAB as V, make_tiny_hf, random_prompts as prompts
+
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

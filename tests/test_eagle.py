@@ -20,9 +20,9 @@ from specdec.models.transformer import ModelConfig, RopeSpec, Transformer
 from specdec.sampling import process_logits, sample
 from specdec.train import TrainConfig, train_head, unrolled_visibility
 
-tdm = __import__("test_draft_model")  # the enumeration + chi-square machinery for exact sampling
-V = __import__("conftest").TINY_VOCAB
-prompts = __import__("conftest").random_prompts
+from helpers import TINY_VOCAB as V, random_prompts as prompts
+
+import test_draft_model as tdm  # the enumeration + chi-square machinery for exact sampling
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

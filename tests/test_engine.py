@@ -10,6 +10,8 @@ from specdec.drafters import NgramDrafter, SuffixDrafter
 from specdec.errors import InvalidRequestError
 from specdec.models import loader
 
+from helpers import make_tiny_hf
+
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -19,7 +21,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder, _ = __import__("conftest").make_tiny_hf(tmp_path_factory.mktemp("m"), "gemma3")
+    folder, _ = make_tiny_hf(tmp_path_factory.mktemp("m"), "gemma3")
     model, _ = loader.load(folder, torch.float32, "cpu")
     return model
 

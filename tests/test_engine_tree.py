@@ -21,10 +21,9 @@ from specdec.errors import InvalidRequestError
 from specdec.models import loader
 from specdec.verify import TokenTree
 
-make_tiny_hf = __import__("conftest").make_tiny_hf
-random_head = __import__("test_eagle").random_head
-V = __import__("conftest").TINY_VOCAB
-prompts = __import__("conftest").random_prompts
+from helpers import TINY_VOCAB as V, make_tiny_hf, random_prompts as prompts
+
+from test_eagle import random_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

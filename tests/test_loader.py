@@ -8,6 +8,8 @@ from specdec.errors import ModelLoadError
 from specdec.models import loader
 from specdec.models.quant import Int8Linear, cpu_int8_available, quantize_model
 
+from helpers import make_tiny_hf
+
 
 def test_streamed_writer_and_row_reader_round_trip(tmp_path):
     g = torch.Generator().manual_seed(0)
@@ -75,7 +77,7 @@ def test_unreadable_safetensors_are_clear_errors(tmp_path):
 def test_int8_load_from_disk_is_the_in_memory_quantisation(tmp_path, family):
     """`load(..., quantize="int8")` reads the float weights a block at a time and keeps only int8;
     it must give exactly the model that quantising a loaded float model gives."""
-    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, family)
+    folder, _ = make_tiny_hf(tmp_path, family)
     direct, _ = loader.load(folder, torch.float32, "cpu", quantize="int8")
     reference, _ = loader.load(folder, torch.float32, "cpu")
     quantize_model(reference, "int8")
@@ -101,7 +103,7 @@ def test_int8_load_from_disk_is_the_in_memory_quantisation(tmp_path, family):
 
 
 def test_missing_and_misshapen_tensors_fail_before_reading(tmp_path):
-    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, "llama")
+    folder, _ = make_tiny_hf(tmp_path, "llama")
     state = load_file(str(next(folder.glob("*.safetensors"))))
     bad = dict(state)
     bad["model.norm.weight"] = torch.ones(3)

@@ -3,6 +3,8 @@ import torch
 
 from specdec.models import loader
 
+from helpers import make_tiny_hf
+
 FAMILIES = ["gemma3", "llama", "mistral", "qwen2", "qwen3"]
 
 
@@ -14,7 +16,7 @@ def native_logits(model, ids):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers(tmp_path, family):
-    folder, hf = make_tiny = __import__("conftest").make_tiny_hf(tmp_path, family)
+    folder, hf = make_tiny_hf(tmp_path, family)
     model, _ = loader.load(folder, torch.float32, "cpu")
     ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -25,7 +27,7 @@ def test_logits_match_transformers(tmp_path, family):
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
 def test_cache_decode_and_truncate_across_window(tmp_path, family):
-    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, family)
+    folder, _ = make_tiny_hf(tmp_path, family)
     model, _ = loader.load(folder, torch.float32, "cpu")
     ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(2))
     full = native_logits(model, ids)  # window is 8: positions past it use the mask
@@ -51,7 +53,7 @@ def test_prefill_last_layer_for_the_last_rows(tmp_path, family, quantize, length
 
     if quantize and not cpu_int8_available():
         pytest.skip("needs PyTorch's fbgemm CPU backend")
-    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, family)
+    folder, _ = make_tiny_hf(tmp_path, family)
     model, _ = loader.load(folder, torch.float32, "cpu")
     if quantize:
         quantize_model(model, "int8")
@@ -90,7 +92,7 @@ def test_decoder_layer_kernel_equals_the_modules(tmp_path, monkeypatch, family, 
 
     if cpu_kernels.load() is None or (quantize and not cpu_int8_available()):
         pytest.skip("needs the compiled CPU kernels and PyTorch's fbgemm CPU backend")
-    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, family)
+    folder, _ = make_tiny_hf(tmp_path, family)
     model, _ = loader.load(folder, torch.float32, "cpu")
     if quantize:
         quantize_model(model, "int8")
@@ -141,7 +143,7 @@ def test_decoder_layer_kernel_follows_a_replaced_projection(tmp_path):
 
     if cpu_kernels.load() is None:
         pytest.skip("needs the compiled CPU kernels")
-    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, "gemma3")
+    folder, _ = make_tiny_hf(tmp_path, "gemma3")
     model, _ = loader.load(folder, torch.float32, "cpu")
     model.fuse_projections()
     ids = torch.randint(0, 97, (1, 21), generator=torch.Generator().manual_seed(3))

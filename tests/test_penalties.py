@@ -20,8 +20,8 @@ from specdec.models import loader
 from specdec.sampling import adjust_logits, make_generator, process_logits, sample
 from specdec.verify import TokenTree, verify_sampling, verify_tree_sampling
 
-make_tiny_hf = __import__("conftest").make_tiny_hf
-V = __import__("conftest").TINY_VOCAB
+from helpers import TINY_VOCAB as V, make_tiny_hf
+
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

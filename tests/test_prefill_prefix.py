@@ -10,16 +10,16 @@ from specdec.models import loader
 from specdec.prefix_cache import PrefixCache, common_prefix
 from specdec.scheduler import BatchScheduler, Request, serving_drafters
 
-V = 97  # conftest's tiny vocabulary
+from helpers import TINY_VOCAB as V, make_tiny_hf
+from test_eagle import random_head
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny Gemma 3 (sliding window 8, so every shared prefix below spans several windows) and
     a draft model with the same vocabulary."""
-    make = __import__("conftest").make_tiny_hf
-    target, _ = loader.load(make(tmp_path_factory.mktemp("t"), "gemma3")[0], torch.float32, "cpu")
-    draft, _ = loader.load(make(tmp_path_factory.mktemp("d"), "gemma3", seed=1)[0], torch.float32, "cpu")
+    target, _ = loader.load(make_tiny_hf(tmp_path_factory.mktemp("t"), "gemma3")[0], torch.float32, "cpu")
+    draft, _ = loader.load(make_tiny_hf(tmp_path_factory.mktemp("d"), "gemma3", seed=1)[0], torch.float32, "cpu")
     return target, draft
 
 
@@ -186,7 +186,7 @@ def test_eagle_rows_chunked_and_next_to_the_prefix_cache(tiny):
     from specdec.drafters.eagle import EagleDrafter
 
     target, _ = tiny
-    head = __import__("test_eagle").random_head(target, 60)
+    head = random_head(target, 60)
     drafters = dict(serving_drafters()[0], eagle=EagleDrafter(head))
     system = ids(30, 9)
     prompts = [system + ids(4 + i, 70 + i) for i in range(6)]

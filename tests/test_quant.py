@@ -11,6 +11,8 @@ from specdec.models import loader
 from specdec.models import cpu_kernels
 from specdec.models.quant import Int4Linear, Int8Linear, cpu_int8_available, quantize_int4, quantize_model
 
+from helpers import make_tiny_hf
+
 pytestmark = pytest.mark.skipif(not cpu_int8_available(), reason="needs PyTorch's fbgemm CPU backend")
 
 
@@ -106,7 +108,7 @@ def test_int4_takes_the_grid_that_4_bit_weights_already_lie_on():
 
 
 def test_fused_projections_compute_the_same(tmp_path):
-    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, "qwen2")
+    folder, _ = make_tiny_hf(tmp_path, "qwen2")
     model, _ = loader.load(folder, torch.float32, "cpu")
     ids = torch.arange(20)[None]
     before, _ = model(ids, torch.arange(20)[None], model.new_cache(1, 32))
@@ -119,7 +121,7 @@ def test_fused_projections_compute_the_same(tmp_path):
 def test_int8_model_close_and_speculative_greedy_identical(tmp_path, family, mode):
     if mode == "int4" and cpu_kernels.load() is None:
         pytest.skip("int4 needs the compiled CPU kernels")
-    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, family)
+    folder, _ = make_tiny_hf(tmp_path, family)
     ref, _ = loader.load(folder, torch.float32, "cpu")
     model, _ = loader.load(folder, torch.float32, "cpu")
     quantize_model(model, mode)
@@ -169,7 +171,7 @@ def test_int8_verify_rows_are_the_one_token_steps_bit_for_bit(tmp_path, family, 
 
     if cpu_kernels.load() is None:
         pytest.skip("needs the compiled CPU kernels")
-    folder, _ = __import__("conftest").make_tiny_hf(tmp_path, family)
+    folder, _ = make_tiny_hf(tmp_path, family)
     model, _ = loader.load(folder, torch.float32, "cpu")
     quantize_model(model, mode)
     ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(3))

@@ -12,9 +12,12 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.server.app import ServerSettings
-from test_server import SETTINGS, free_port, greedy, make_char_tokenizer
+from test_server import SETTINGS, free_port, greedy
+
+from helpers import make_char_tokenizer, make_tiny_hf
 
 # Loopback only: Ray turns 127.0.0.1 into the machine's address unless told (before it is imported)
 # that this is no cluster.
@@ -27,7 +30,7 @@ HOST = "127.0.0.1"
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    folder, _ = __import__("conftest").make_tiny_hf(tmp_path_factory.mktemp("ray"), "gemma3")
+    folder, _ = make_tiny_hf(tmp_path_factory.mktemp("ray"), "gemma3")
     make_char_tokenizer(folder)
     return folder
 
@@ -61,12 +64,15 @@ def endpoint(tiny_folder, tmp_path_factory):
 
 
 def samples(url: str, name: str, labels: str = "") -> dict[str, float]:
-    """replica -> value of specdec:`name` with these extra labels (after model_name), from /metrics."""
+    """replica -> value of specdec:`name` with these labels besides replica and model_name (label
+    text, e.g. ',finished_reason="length"'), from /metrics."""
+    wanted = dict(re.findall(r'(\w+)="([^"]*)"', labels))
     out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        m = re.match(r'specdec:(\w+)\{replica="([^"]+)",model_name="[^"]*"(.*)\} (\S+)$', line)
-        if m and m.group(1) == name and m.group(3) == labels:
-            out[m.group(2)] = float(m.group(4))
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            rest = {k: v for k, v in sample.labels.items() if k not in ("replica", "model_name")}
+            if sample.name == f"specdec:{name}" and rest == wanted:
+                out[sample.labels["replica"]] = sample.value
     return out
 
 

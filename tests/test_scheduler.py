@@ -9,10 +9,12 @@ from specdec.models import loader
 from specdec.policy import GoodputModel
 from specdec.scheduler import BatchScheduler, QueueFullError, Request, ShuttingDownError
 
+from helpers import make_tiny_hf
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder, _ = __import__("conftest").make_tiny_hf(tmp_path_factory.mktemp("m"), "gemma3")
+    folder, _ = make_tiny_hf(tmp_path_factory.mktemp("m"), "gemma3")
     model, _ = loader.load(folder, torch.float32, "cpu")
     return model
 

@@ -8,6 +8,7 @@ subprocess to check SIGTERM draining; a few run on the default model.
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,29 +20,12 @@ import httpx
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import Engine, SamplingParams
 from specdec.server.app import ServerSettings, create_app, load_model
 
 HOST = "127.0.0.1"
-
-
-def make_char_tokenizer(folder) -> None:
-    """Save a character-level tokenizer (ids 0-2 special, 3..96 = ASCII 32..125) with a chat template."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as RawTokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
-    for c in range(32, 126):
-        vocab[chr(c)] = len(vocab)
-    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    raw.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
-    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>{% endif %}")
-    tok.save_pretrained(str(folder))
 
 
 def free_port() -> int:
@@ -78,25 +62,15 @@ class ThreadServer:
 
 
 def metric(url: str, name: str, labels: str = "") -> float:
-    """One sample of /metrics; `labels` = the label text after model_name, e.g. ',position="0"'."""
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(f"specdec:{name}{{"):
-            extra = line[line.index("{") + 1 : line.index("}")].split('"', 2)[2]
-            if extra == labels:
-                return float(line.rsplit(" ", 1)[1])
+    """One sample of /metrics: specdec:`name` with these labels besides model_name, written as
+    label text (e.g. ',position="0"'); 0 when the server has no such sample yet."""
+    wanted = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            rest = {k: v for k, v in sample.labels.items() if k != "model_name"}
+            if sample.name == f"specdec:{name}" and rest == wanted:
+                return sample.value
     return 0.0
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder, _ = __import__("conftest").make_tiny_hf(tmp_path_factory.mktemp("srv"), "gemma3")
-    make_char_tokenizer(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_folder):
-    return Engine.load(str(tiny_folder), drafter="none", dtype="float32")  # plain: the reference "run alone"
 
 
 # The budget rule only: the goodput rule (unit-tested in test_scheduler.py) would learn that a random

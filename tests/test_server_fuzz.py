@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from specdec.server.app import ServerSettings, create_app
 from specdec.server.protocol import NOT_IMPLEMENTED
-from test_server import SETTINGS, ThreadServer, engine, tiny_folder  # noqa: F401
+from test_server import SETTINGS, ThreadServer
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 CASES = 300

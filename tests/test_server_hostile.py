@@ -23,7 +23,7 @@ from specdec import SamplingParams
 from specdec.cli import main as cli_main
 from specdec.server.app import ServerSettings, create_app
 from specdec.server.protocol import NOT_IMPLEMENTED
-from test_server import HOST, PROMPT, SETTINGS, ThreadServer, engine, free_port, metric, tiny_folder  # noqa: F401
+from test_server import HOST, PROMPT, SETTINGS, ThreadServer, free_port, metric
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]

@@ -20,13 +20,12 @@ from specdec.errors import InvalidRequestError
 from specdec.sampling import adjust_logits, make_generator, process_logits, sample
 from specdec.verify import verify_sampling
 
+from helpers import TINY_VOCAB as V, make_tiny_hf
+
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-make_tiny_hf = __import__("conftest").make_tiny_hf
-V = __import__("conftest").TINY_VOCAB
-Oracle = __import__("test_penalties").Oracle
-OracleTree = __import__("test_penalties").OracleTree
+from test_penalties import Oracle, OracleTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

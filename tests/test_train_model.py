@@ -16,10 +16,8 @@ from specdec.models.transformer import RopeSpec
 from specdec.train import CHECKPOINT_FILE, DATA_FILE, DistillData, TrainConfig, pick_layers, \
     train_model
 
-peaky_target = __import__("test_eagle").peaky_target  # 2 layers, vocabulary 48, structured greedy text
-make_tiny_hf = __import__("conftest").make_tiny_hf
-V = __import__("conftest").TINY_VOCAB
-prompts = __import__("conftest").random_prompts
+from helpers import TINY_VOCAB as V, make_tiny_hf, random_prompts as prompts
+from test_eagle import peaky_target  # 2 layers, vocabulary 48, structured greedy text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -36,7 +36,7 @@ DRAFT_LENGTHS = ("fixed", "adaptive", "cost")
 # default model (a pass over T tokens relative to T = 1): float32 1.73 at T = 2, 2.31 at T = 6, 2.60
 # at T = 9 after a 100-token context (its matrix products leave their one-row fast path); int8, with
 # the compiled CPU kernels, after a 400-token context: 1.02 at T = 2, 1.51 at T = 4, 1.88 at T = 6,
-# 2.16 at T = 9 (BENCHMARKS.md, evening run). A GPU scores a few tokens for about one: the CUDA row is
+# 2.16 at T = 9 (docs/archive/BENCHMARKS-history.md, evening run). A GPU scores a few tokens for about one: the CUDA row is
 # an estimate, not yet measured on a GPU.
 DEFAULT_VERIFY_COSTS = {  # (overhead, cost per draft token)
     "cpu": (0.5, 0.14),
@@ -45,7 +45,7 @@ DEFAULT_VERIFY_COSTS = {  # (overhead, cost per draft token)
 }
 # The output head's share of that per-token cost, which greedy screening pays only for rows up to
 # the first rejection (`CostAwareDraftLength.screened_share`). int8, 400-token context: the head
-# grows by ~0.07-0.08 plain steps a row and the rest of the pass by ~0.075-0.095 (BENCHMARKS.md,
+# grows by ~0.07-0.08 plain steps a row and the rest of the pass by ~0.075-0.095 (docs/archive/BENCHMARKS-history.md,
 # 3 December, evening and night).
 SCREENED_SHARE = {"cpu-int8": 0.45}
 # The price of a model drafter's token, in plain target steps, before any has been measured, and
@@ -64,7 +64,7 @@ def hardware_kind(model) -> str:
 
 
 def default_draft_length(draft_length: str | None, tree) -> str:
-    """None means the measured best: "cost" for chains (BENCHMARKS.md, Spec-Bench mix on the int8
+    """None means the measured best: "cost" for chains (docs/archive/BENCHMARKS-history.md, Spec-Bench mix on the int8
     target, 2-core CPU: prompt lookup 1.77x plain with it, 1.60x with a fixed k = 5; a tie in
     float32); a tree has a fixed shape."""
     if draft_length is not None:

@@ -213,7 +213,7 @@ def text_data(target, tokenizer, positions: int, window: int, rng: random.Random
     only the target's layers (no output head, no decoding loop): ~420 positions/s on a busy 2-core
     CPU for Gemma 3 270M in float32, against ~80 (seed and continuation together) for batched
     greedy generation, so it buys the head far more varied contexts per minute. (Measured on the
-    default model: it did not raise the head's accuracy on new questions; BENCHMARKS.md.)
+    default model: it did not raise the head's accuracy on new questions; docs/archive/BENCHMARKS-history.md.)
     """
     pieces = local_pieces()
     rng.shuffle(pieces)

@@ -152,3 +152,7 @@ def _check_outputs(args) -> None:
             raise InvalidRequestError(f"{option} {path}: its folder does not exist", "output")
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise InvalidRequestError(f"--plot {args.plot}: give a .png, .svg or .pdf file", "plot")
+    if args.plot:
+        from ..extras import require
+
+        require("bench", "--plot", "matplotlib")

@@ -366,6 +366,9 @@ def _write(path: str, text: str) -> None:
 def write_plot(path: str, result: BenchResult, summaries: list[Summary]) -> None:
     """Left: speedup per task group for each non-baseline configuration (bound as a tick);
     right: acceptance by draft position for each speculative configuration."""
+    from ..extras import require
+
+    require("bench", "a benchmark plot", "matplotlib")
     from matplotlib.figure import Figure  # the object API: no pyplot, no global backend state
 
     groups = list(dict.fromkeys(s.group for s in summaries if s.group != ALL)) + [ALL]

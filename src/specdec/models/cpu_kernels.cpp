@@ -146,7 +146,7 @@ constexpr int64_t kBlockK = 2048;
 constexpr int64_t kBlockM = 48;  // rows of x a thread keeps hot while it streams the weights
 // Up to this many rows, int8_linear widens the weights in registers (`direct_rows`) rather than once
 // into a buffer. Measured faster or equal for 1-32 rows here, and slower from 40 rows on
-// (BENCHMARKS.md, 2026-12-05 morning).
+// (docs/archive/BENCHMARKS-history.md, 2026-12-05 morning).
 constexpr int64_t kDirectRows = 32;
 
 // The one output formula (exact integer sum -> float).
@@ -166,7 +166,7 @@ constexpr int64_t kParallelRows = 64;
 // of 16): an AVX2 load of 16 inputs never straddles two cache lines. With malloc's 16-byte alignment
 // half of them did, and such a load costs two: a stand-alone loop of 3 rows by 2 weight rows ran
 // 0.96 against 1.29 multiply-adds a cycle, and the model's products of 3-9 rows (verify passes)
-// took 10-18% less time aligned (BENCHMARKS.md, 2026-12-05 night).
+// took 10-18% less time aligned (docs/archive/BENCHMARKS-history.md, 2026-12-05 night).
 struct GridRows {
   std::vector<int16_t> storage;
   int16_t* v = nullptr;
@@ -276,7 +276,7 @@ __attribute__((always_inline)) inline void direct_tile(const int8_t* w, const in
 // 9 -> 5 + 4): each pass widens the same weights again, so a short last pass would pay for them
 // almost alone. Up to 6 rows a pass (12 accumulators for NC = 2): against 4, the model's products
 // of 5 and 9 rows (verify passes) took 5-10% less time, 6 rows ~3%, and 2-4 rows are unchanged
-// (BENCHMARKS.md, 2026-12-05 midday). Only the first pass asks for the weights `ahead`.
+// (docs/archive/BENCHMARKS-history.md, 2026-12-05 midday). Only the first pass asks for the weights `ahead`.
 template <int NC>
 inline void direct_rows(const int8_t* w, const int16_t* v, int64_t kp, int64_t m0, int64_t m1, const float* c,
                         const float* ws, const float* bias, float* out, int64_t ldo, int64_t valid, const int8_t* ahead) {
@@ -348,7 +348,7 @@ __attribute__((always_inline)) inline void tile(const int16_t* w, const int16_t*
 // Why: each output's sum builds up in its own lane, so no lane is summed across at the end, and no
 // weight is widened to 16 bits first. Measured here (2-core Zen 4), the default model's products
 // against the row-major kernels: 1-3 rows (decode) the same, 5 rows 18% and 9 rows 26% less time,
-// a 688-row prefill ~10% less (BENCHMARKS.md, 2026-12-06).
+// a 688-row prefill ~10% less (docs/archive/BENCHMARKS-history.md, 2026-12-06).
 constexpr int64_t kPackRows = 16;
 constexpr int64_t kPackedPassRows = 9;  // rows a pass: 18 sums + the weights in the 32 registers
 // From this many rows on, a packed product (int8 and int4) asks for the next 16-row block's weights
@@ -1323,7 +1323,7 @@ constexpr int64_t kRowsPerItem = 4;
 // once, front to back, for the four: its 64-byte lines stream in order, which keeps a cold key
 // cache (one layer's keys are evicted by the weights that stream between two of its passes) at
 // the memory's speed. Two key rows a call, read interleaved, ran faster from the cache and slower
-// from memory (BENCHMARKS.md, 2026-12-05, night II).
+// from memory (docs/archive/BENCHMARKS-history.md, 2026-12-05, night II).
 inline void scores_4x1(const float* const* q, const float* k, int64_t d, float* out) {
   const int64_t d8 = d - d % 8, d16 = d - d % 16;
 #if defined(__AVX2__)

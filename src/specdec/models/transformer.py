@@ -325,7 +325,7 @@ def blocked_attention(q: Tensor, keys: Tensor, values: Tensor, plan: QueryBlocks
 
     q: [b, H, T, d]; keys, values: [b, KV, S, d] -> [b, H, T, d]. A causal prefill then skips the
     keys after each block, and a sliding-window layer also the keys before its window: a 693-token
-    prefill of the default model spends ~30% less time in attention (BENCHMARKS.md, 2026-12-05).
+    prefill of the default model spends ~30% less time in attention (docs/archive/BENCHMARKS-history.md, 2026-12-05).
     Leaving out slots that no row of the block sees changes no softmax, only the order of float
     sums, so the output agrees with one SDPA call to rounding.
     """
@@ -342,7 +342,7 @@ def additive_mask(visible: Tensor, dtype: torch.dtype) -> Tensor:
 
     The same scores and softmax (SDPA adds exactly this for a boolean mask), but given a float mask
     PyTorch's CPU kernel skips its own conversion: a 128-query block of the default model over 640
-    slots took 2.4 instead of 2.9 ms here (BENCHMARKS.md, 2026-12-05 afternoon).
+    slots took 2.4 instead of 2.9 ms here (docs/archive/BENCHMARKS-history.md, 2026-12-05 afternoon).
     """
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
@@ -435,7 +435,7 @@ class Block(Layer):
 
         While no module in the process has registered a weight or submodule since (`_registrations`)
         and the norms' weights have the same version counters, the memo stands without walking the
-        modules again: reading them took ~0.4 ms of a one-token forward on a Zen 4 (BENCHMARKS.md,
+        modules again: reading them took ~0.4 ms of a one-token forward on a Zen 4 (docs/archive/BENCHMARKS-history.md,
         2026-12-05 evening). A change made around the registration (`module.__dict__`, `del`)
         is not seen by that check.
         """

@@ -30,7 +30,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fastapi import FastAPI, Request
+from ..extras import SERVER_MODULES, require
+
+require("server", "specdec.server.app", *SERVER_MODULES)
+
+from fastapi import FastAPI, Request  # noqa: E402 (after the check that says what to install)
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException

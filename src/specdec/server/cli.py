@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InvalidRequestError, ModelLoadError, SpecdecError
+from ..extras import SERVER_MODULES, require
 from ..scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_TOKENS
 
 
@@ -149,6 +150,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(args) -> int:
+    require("server", "specdec serve", *SERVER_MODULES)
     import uvicorn
 
     from ..engine import (check_quantize, check_tensor_parallel, draft_model_path, resolve_device, resolve_dtype,

@@ -24,9 +24,12 @@ import sys
 import time
 from dataclasses import dataclass
 
-import httpx
-
 from ..bench.prompts import select_prompts, spec_bench_path
+from ..extras import require
+
+require("server", "the load test", "httpx")
+
+import httpx  # noqa: E402 (after the check that says what to install)
 
 
 @dataclass

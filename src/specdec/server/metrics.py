@@ -1,8 +1,10 @@
-"""Prometheus text exposition of the server's metrics, named as vLLM names them where it can.
+"""The server's metrics in Prometheus' text format (through `prometheus_client`), named as vLLM
+names them where it can.
 
-Counters of tokens and speculation come straight from the scheduler's cumulative counters; the
-latency histograms are filled by `ServerMetrics.observe`, which the scheduler calls (from its
-thread) for every finished request.
+Counters of tokens and speculation come straight from the scheduler's cumulative counters, read
+when /metrics is scraped (a collector over them, in a registry of this server's own: nothing is
+registered process-wide); the latency histograms are filled by `ServerMetrics.observe`, which the
+scheduler calls (from its thread) for every finished request.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ..scheduler import BatchScheduler, Delta, Request
 
@@ -32,14 +37,12 @@ class Histogram:
         self.total += value
         self.n += 1
 
-    def lines(self, name: str, labels: str) -> list[str]:
-        out, cumulative = [], 0
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, count of observations <= le), +Inf last: the buckets as Prometheus exposes them."""
+        out, total = [], 0
         for bound, count in zip(list(self.buckets) + [float("inf")], self.counts):
-            cumulative += count
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            out.append(f'{name}_bucket{{{labels},le="{le}"}} {cumulative}')
-        out.append(f"{name}_sum{{{labels}}} {self.total}")
-        out.append(f"{name}_count{{{labels}}} {self.n}")
+            total += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), total))
         return out
 
 
@@ -65,48 +68,56 @@ class ServerMetrics:
                 self.tpot.observe(t.tpot_s)
 
     def render(self, scheduler: BatchScheduler | None, model_name: str) -> str:
-        labels = f'model_name="{model_name}"'
-        lines: list[str] = []
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Snapshot(self, scheduler, model_name))
+        return generate_latest(registry).decode()
 
-        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP specdec:{name} {help_text}")
-            lines.append(f"# TYPE specdec:{name} {kind}")
-            for extra, value in samples:
-                lines.append(f"specdec:{name}{{{labels}{extra}}} {value}")
+    def families(self, scheduler: BatchScheduler | None, model_name: str):
+        """Every metric family as it stands now, each sample labelled with `model_name` first."""
 
+        def family(kind, name: str, help_text: str, samples: list[tuple[dict, float]]):
+            extra = list(samples[0][0]) if samples else []
+            f = kind(f"specdec:{name}", help_text, labels=["model_name", *extra])
+            for labels, value in samples:
+                f.add_metric([model_name, *labels.values()], value)
+            return f
+
+        counter, gauge = CounterMetricFamily, GaugeMetricFamily
         if scheduler is not None:
             c = scheduler.counters
             spec = c.spec
-            metric("num_requests_running", "gauge", "Requests in the batch (each holds one cache row).",
-                   [("", scheduler.num_running)])
-            metric("num_requests_waiting", "gauge", "Requests queued for a batch row.", [("", scheduler.num_waiting)])
-            metric("prompt_tokens_total", "counter", "Prefilled prompt tokens.", [("", c.prompt_tokens)])
-            metric("prefix_cache_hit_tokens_total", "counter",
-                   "Prompt tokens whose KV entries came from the prefix cache instead of a prefill.",
-                   [("", c.prompt_tokens_cached)])
-            metric("generation_tokens_total", "counter", "Generated tokens.", [("", c.generation_tokens)])
-            metric("request_success_total", "counter", "Finished requests by finish reason.",
-                   [(f',finished_reason="{r}"', v) for r, v in sorted(c.finished.items())])
-            metric("spec_decode_num_drafts_total", "counter", "Verify steps of a sequence that had drafts.",
-                   [("", spec.drafts)])
-            metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.", [("", spec.draft_tokens)])
-            metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
-                   [("", spec.accepted_tokens)])
-            metric("spec_decode_num_accepted_tokens_per_pos_total", "counter",
-                   "Accepted draft tokens by draft position.",
-                   [(f',position="{i}"', v) for i, v in enumerate(spec.accepted_per_position)])
-            metric("spec_decode_num_draft_tokens_per_pos_total", "counter", "Draft tokens by draft position.",
-                   [(f',position="{i}"', v) for i, v in enumerate(spec.drafted_per_position)])
-            metric("batch_steps_total", "counter", "Batched decode steps (one target forward each).",
-                   [("", c.steps)])
-            metric("batch_rows_total", "counter", "Sum over decode steps of the sequences in the batch.",
-                   [("", c.step_rows)])
-            metric("batch_scored_tokens_total", "counter",
-                   "Sum over decode steps of rows x block width (tokens the target scored, padding included).",
-                   [("", c.step_tokens)])
-            metric("spec_decode_max_draft_tokens", "gauge",
-                   "Draft tokens a sequence may propose at the current batch size (the load rule).",
-                   [("", scheduler.k_cap(max(1, scheduler.num_running)))])
+            yield family(gauge, "num_requests_running", "Requests in the batch (each holds one cache row).",
+                         [({}, scheduler.num_running)])
+            yield family(gauge, "num_requests_waiting", "Requests queued for a batch row.",
+                         [({}, scheduler.num_waiting)])
+            yield family(counter, "prompt_tokens_total", "Prefilled prompt tokens.", [({}, c.prompt_tokens)])
+            yield family(counter, "prefix_cache_hit_tokens_total",
+                         "Prompt tokens whose KV entries came from the prefix cache instead of a prefill.",
+                         [({}, c.prompt_tokens_cached)])
+            yield family(counter, "generation_tokens_total", "Generated tokens.", [({}, c.generation_tokens)])
+            yield family(counter, "request_success_total", "Finished requests by finish reason.",
+                         [({"finished_reason": r}, v) for r, v in sorted(c.finished.items())])
+            yield family(counter, "spec_decode_num_drafts_total", "Verify steps of a sequence that had drafts.",
+                         [({}, spec.drafts)])
+            yield family(counter, "spec_decode_num_draft_tokens_total", "Draft tokens proposed.",
+                         [({}, spec.draft_tokens)])
+            yield family(counter, "spec_decode_num_accepted_tokens_total", "Draft tokens accepted.",
+                         [({}, spec.accepted_tokens)])
+            yield family(counter, "spec_decode_num_accepted_tokens_per_pos_total",
+                         "Accepted draft tokens by draft position.",
+                         [({"position": str(i)}, v) for i, v in enumerate(spec.accepted_per_position)])
+            yield family(counter, "spec_decode_num_draft_tokens_per_pos_total", "Draft tokens by draft position.",
+                         [({"position": str(i)}, v) for i, v in enumerate(spec.drafted_per_position)])
+            yield family(counter, "batch_steps_total", "Batched decode steps (one target forward each).",
+                         [({}, c.steps)])
+            yield family(counter, "batch_rows_total", "Sum over decode steps of the sequences in the batch.",
+                         [({}, c.step_rows)])
+            yield family(counter, "batch_scored_tokens_total",
+                         "Sum over decode steps of rows x block width (tokens the target scored, padding included).",
+                         [({}, c.step_tokens)])
+            yield family(gauge, "spec_decode_max_draft_tokens",
+                         "Draft tokens a sequence may propose at the current batch size (the load rule).",
+                         [({}, scheduler.k_cap(max(1, scheduler.num_running)))])
         with self._lock:
             for name, hist, help_text in (
                 ("time_to_first_token_seconds", self.ttft, "Arrival to first token."),
@@ -114,7 +125,16 @@ class ServerMetrics:
                 ("e2e_request_latency_seconds", self.e2e, "Arrival to last token."),
                 ("request_queue_time_seconds", self.queue, "Arrival to admission into the batch."),
             ):
-                lines.append(f"# HELP specdec:{name} {help_text}")
-                lines.append(f"# TYPE specdec:{name} histogram")
-                lines.extend(hist.lines(f"specdec:{name}", labels))
-        return "\n".join(lines) + "\n"
+                f = HistogramMetricFamily(f"specdec:{name}", help_text, labels=["model_name"])
+                f.add_metric([model_name], hist.cumulative(), sum_value=hist.total)
+                yield f
+
+
+class _Snapshot:
+    """A `prometheus_client` collector over one server's metrics for one scrape."""
+
+    def __init__(self, metrics: ServerMetrics, scheduler: BatchScheduler | None, model_name: str):
+        self.metrics, self.scheduler, self.model_name = metrics, scheduler, model_name
+
+    def collect(self):
+        return self.metrics.families(self.scheduler, self.model_name)
