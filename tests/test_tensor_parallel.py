@@ -25,9 +25,9 @@ from specdec.models import tensor_parallel as tp
 from specdec.models.quant import Int8Linear, cpu_int8_available
 from specdec.scheduler import BatchScheduler, Request
 
-conftest = __import__("conftest")
-tdm = __import__("test_draft_model")
-V = conftest.TINY_VOCAB
+import test_draft_model as tdm
+from helpers import TINY_VOCAB as V
+from helpers import make_tiny_hf, random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,7 +57,7 @@ def models(tmp_path_factory):
     """A tiny Gemma 3 target (tied head, q/k norms, sliding windows, 4 heads over 2 kv heads) whole
     in this process, and a noisy copy of it as a draft model (it agrees with the target partly, so
     its drafts are both accepted and rejected)."""
-    folder, _ = conftest.make_tiny_hf(tmp_path_factory.mktemp("tp"), "gemma3", seed=0)
+    folder, _ = make_tiny_hf(tmp_path_factory.mktemp("tp"), "gemma3", seed=0)
     whole, _ = loader.load(folder, torch.float32, "cpu")
     return dict(folder=folder, whole=whole, draft=tdm.noisy_copy(whole, 0.5, 3))
 
@@ -68,7 +68,7 @@ def float_split(models) -> tp.ParallelTarget:
 
 def prompts(n):
     # Repetitive prompts, so that lookup drafts find matches and get both accepted and rejected.
-    return [p[:6] * 3 for p in conftest.random_prompts(n, seed=5)]
+    return [p[:6] * 3 for p in random_prompts(n, seed=5)]
 
 
 def test_logits_within_1e5_of_one_process_and_greedy_tokens_equal(models):
@@ -78,7 +78,7 @@ def test_logits_within_1e5_of_one_process_and_greedy_tokens_equal(models):
     assert target.lm_head.out_features == (V + 1) // 2
     cache = target.new_cache(1, 64)
     assert cache.local.keys[0].shape[1] == 1
-    for ids in conftest.random_prompts(4, length=12):
+    for ids in random_prompts(4, length=12):
         positions = torch.arange(len(ids))[None]
         one, _ = whole(torch.tensor([ids]), positions, whole.new_cache(1, 64))  # [1, T, V]
         two, _ = target(torch.tensor([ids]), positions, target.new_cache(1, 64))
