@@ -45,6 +45,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--draft-model", metavar="PATH",
                         help="draft model for draft / hf-assist configurations (default: a named target's paired "
                              "draft model)")
+    parser.add_argument("--ref-src", metavar="DIR",
+                        help="another specdec source tree (a checkout or its src folder) that ref@CONFIG "
+                             "configurations run in a worker process, e.g. --configs plain,ref@plain "
+                             "--ref-src ../old: two versions of specdec side by side in one run")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved passes over the prompts (default 1)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up rounds before measuring (default 1)")
@@ -69,6 +73,8 @@ def command_line(args) -> str:
     parts += ["--max-tokens", str(args.max_tokens), "--dtype", args.dtype, "--quantize", args.quantize]
     if args.draft_model:
         parts += ["--draft-model", args.draft_model]
+    if args.ref_src:
+        parts += ["--ref-src", args.ref_src]
     parts += ["--device", args.device, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
     return shlex.join(parts)
 
@@ -88,12 +94,17 @@ def run(args) -> int:
     if draft_model is None and presets.is_preset(args.model):
         draft_model = presets.get(args.model).draft
     configs = parse_configs(args.configs, draft_model)
+    if any(c.ref for c in configs):
+        from .runner import ref_source
+
+        ref_source(args.ref_src)  # a missing or wrong --ref-src fails before any load
     groups = parse_tasks(args.tasks)
     template = args.template.replace("\\n", "\n")
     prompts = select_prompts(groups, args.per_group, spec_bench_path(args.spec_bench), args.prompts, template,
                              args.chat)
     quantize = resolve_quantize(args.quantize, args.device, args.model)
-    settings = Settings(args.model, args.max_tokens, args.dtype, quantize, args.device, args.repeats, args.warmup)
+    settings = Settings(args.model, args.max_tokens, args.dtype, quantize, args.device, args.repeats, args.warmup,
+                        args.ref_src)
 
     def log(message: str) -> None:
         (bar.write if bar is not None else lambda m: print(m, file=sys.stderr))(f"bench: {message}")

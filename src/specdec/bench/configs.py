@@ -24,6 +24,11 @@ An option is `key=value` or a bare flag (`adaptive`). Examples::
     llama-spec:k=4             llama.cpp's `llama-speculative` program with a draft model (model=, or the
                                draft model of draft configurations), greedy; bin=PATH, else
                                $SPECDEC_LLAMA_SPECULATIVE or llama-speculative on the PATH
+    ref@ngram:k=5              the same specdec configuration run by ANOTHER specdec source tree
+                               (`--ref-src DIR`, e.g. an older commit's checkout), in a worker process
+                               through the public `Engine.load` / `generate` that every version has; so
+                               one run compares two versions of specdec side by side (any plain, ngram,
+                               suffix, draft or eagle configuration after `ref@`)
 
 The label of a configuration is its text as written, so it is what the tables show. Parsing is pure
 (no models are touched), so a bad list fails at once, before anything slow.
@@ -77,11 +82,12 @@ class BenchConfig:
     label: str
     kind: str
     options: dict = field(default_factory=dict)
+    ref: bool = False  # `ref@...`: run by the --ref-src tree in a worker process
 
     @property
     def family(self) -> str:
-        """"specdec", "hf" or "llama-cpp"."""
-        return KINDS[self.kind][0]
+        """"specdec", "ref" (a specdec configuration of the --ref-src tree), "hf" or "llama-cpp"."""
+        return "ref" if self.ref else KINDS[self.kind][0]
 
     @property
     def speculative(self) -> bool:
@@ -119,7 +125,22 @@ def parse_configs(text: str, draft_model: str | None = None) -> list[BenchConfig
     return configs
 
 
+REF_PREFIX = "ref@"
+# Options a ref@ configuration cannot pass on: the worker reaches the other tree only through
+# `Engine.load`'s keywords, and the n-gram range is not one of them.
+REF_UNSUPPORTED = ("max_ngram", "min_ngram")
+
+
 def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
+    if item.strip().lower().startswith(REF_PREFIX):
+        inner = parse_config(item.strip()[len(REF_PREFIX):], draft_model)
+        if inner.family != "specdec":
+            raise InvalidRequestError(f"{item!r}: ref@ takes a specdec configuration (plain, ngram, suffix, draft, "
+                                      "eagle)", "configs")
+        if bad := [key for key in REF_UNSUPPORTED if key in inner.options]:
+            raise InvalidRequestError(f"{item!r}: {bad[0]} cannot be passed to the reference tree "
+                                      "(Engine.load takes no such option)", "configs")
+        return BenchConfig(item.strip(), inner.kind, inner.options, ref=True)
     kind, *parts = item.split(":")
     kind = kind.strip().lower()
     if kind not in KINDS:
@@ -185,6 +206,40 @@ def eagle_name(options: dict) -> str:
     return f"{options['lookup']}+{head}" if options.get("lookup") else head
 
 
+def counterparts(configs: list[BenchConfig]) -> dict[str, str]:
+    """ref@ configuration label -> the label of the same configuration run by this tree, where the
+    list has one (same kind, same options once defaults are filled in)."""
+    out = {}
+    for r in configs:
+        if r.ref:
+            mine = next((c.label for c in configs if not c.ref and c.kind == r.kind and c.options == r.options), None)
+            if mine is not None:
+                out[r.label] = mine
+    return out
+
+
+def ref_drafter_name(config: BenchConfig) -> str:
+    """The `drafter` argument of Engine.load that makes this configuration's drafter."""
+    o = config.options
+    if config.kind == "plain":
+        return "none"
+    if config.kind in ("ngram", "suffix"):
+        return config.kind
+    if config.kind == "eagle":
+        return eagle_name(o)
+    return f"{o['lookup']}+{o['model']}" if o.get("lookup") else str(o["model"])
+
+
+def ref_load_options(config: BenchConfig, dtype: str, quantize: str | None, device: str) -> dict:
+    """Engine.load's keywords for a ref@ configuration on the target (dtype, quantize). Options left
+    out are None; the worker drops a None the other tree's Engine.load does not know."""
+    o = config.options
+    return {"drafter": ref_drafter_name(config), "num_speculative_tokens": config.k or 5, "device": device,
+            "dtype": dtype, "quantize": quantize or "none", "draft_length": config.draft_length,
+            "draft_tree": o.get("tree"), "draft_p_min": o.get("p_min"),
+            "draft_quantize": o.get("draft_quantize"), "draft_vocab": o.get("vocab")}
+
+
 def lookup_drafter(kind: str, options: dict):
     """A fresh ngram / suffix drafter with the configuration's n-gram options."""
     from ..drafters import NgramDrafter, SuffixDrafter
@@ -240,10 +295,11 @@ def with_baselines(configs: list[BenchConfig], dtype: str, quantize: str | None,
     configuration is added right before its first user (first in the list for the peers' one).
     """
     configs = list(configs)
-    key_of = {c.label: target_key(c, dtype, quantize, canonical) for c in configs if c.family == "specdec"}
+    # ref@ configurations run on the same target as this tree's: their baseline is this tree's plain.
+    key_of = {c.label: target_key(c, dtype, quantize, canonical) for c in configs if c.family in ("specdec", "ref")}
     plain_of: dict[tuple, str] = {}
     for c in configs:
-        if c.kind == "plain":
+        if c.kind == "plain" and not c.ref:
             plain_of.setdefault(key_of[c.label], c.label)
     default_key = (canonical(dtype, quantize), quantize)
 
@@ -258,9 +314,9 @@ def with_baselines(configs: list[BenchConfig], dtype: str, quantize: str | None,
     if any(c.family != "specdec" for c in configs) and not plain_of:
         add_plain(default_key, {}, 0)
     for c in list(configs):
-        if c.family == "specdec" and key_of[c.label] not in plain_of:
+        if c.family in ("specdec", "ref") and key_of[c.label] not in plain_of:
             add_plain(key_of[c.label], {k: v for k, v in c.options.items() if k in ("dtype", "quantize")},
                       configs.index(c))
-    peer_baseline = plain_of.get(default_key) or next(c.label for c in configs if c.kind == "plain")
-    baselines = {c.label: plain_of[key_of[c.label]] if c.family == "specdec" else peer_baseline for c in configs}
+    peer_baseline = plain_of.get(default_key) or next(c.label for c in configs if c.kind == "plain" and not c.ref)
+    baselines = {c.label: plain_of[key_of[c.label]] if c.label in key_of else peer_baseline for c in configs}
     return configs, baselines

@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidRequestError, SpecdecError
-from .configs import BenchConfig, eagle_name, lookup_drafter, target_key, with_baselines
+from .configs import (BenchConfig, counterparts, eagle_name, lookup_drafter, ref_load_options, target_key,
+                      with_baselines)
 from .prompts import BenchPrompt
 
 WARMUP_TOKENS = 16  # tokens per warm-up generation: enough to run the decode loop, cheap
@@ -52,6 +53,7 @@ class Settings:
     device: str = "cpu"
     repeats: int = 1
     warmup: int = 1
+    ref_src: str | None = None  # another specdec tree, for ref@ configurations
 
 
 @dataclass
@@ -104,6 +106,7 @@ class BenchResult:
     memory_kind: str
     machine: dict
     interrupted: str | None = None  # set when Ctrl-C ended the run early
+    counterparts: dict[str, str] = field(default_factory=dict)  # ref@ label -> this tree's same configuration
 
 
 class MemoryProbe:
@@ -247,6 +250,85 @@ class SpecdecRunner:
                    accepted_per_position=list(s.accepted_per_position),
                    drafted_per_position=list(s.drafted_per_position),
                    draft_s=self.drafter.take_seconds() if self.drafter is not None else 0.0)
+
+
+class RefRunner:
+    """A `ref@` configuration: the same specdec configuration run by another source tree, in a
+    worker process (`ref_worker.py`) that loads its own target through that tree's `Engine.load`.
+
+    The worker times the generate call itself, exactly as `SpecdecRunner` does (pre-tokenised ids,
+    prefill included), so the pipe is not in the figure. It runs with this process's thread count
+    and CPU affinity (inherited). Its peak memory is not reported (another process). Its drafter is not wrapped in `TimedDrafter`, so the report gives
+    it no bound; its speed, identity and drafting counts are measured like the others'.
+    """
+
+    def __init__(self, config: BenchConfig, src: Path, target: str, load: dict, log):
+        import subprocess
+
+        self.config = config
+        worker = Path(__file__).with_name("ref_worker.py")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the worker sets its own path
+        self.proc = subprocess.Popen([sys.executable, str(worker), str(src)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        log(f"loading the target {target} in the reference tree {src} for {config.label}")
+        try:
+            loaded = self._ask({"op": "load", "target": target, "load": load, "threads": torch.get_num_threads()})
+        except BaseException:
+            self.close()
+            raise
+        self.package = loaded["specdec"]
+
+    def _ask(self, request: dict) -> dict:
+        import json
+
+        if self.proc.poll() is not None:
+            raise SpecdecError(f"{self.config.label}: the reference worker exited ({self.proc.returncode})")
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SpecdecError(f"{self.config.label}: the reference worker exited ({self.proc.wait()}); "
+                               "its stderr above says why")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise SpecdecError(f"{self.config.label}: the reference tree failed: {reply['error']}")
+        return reply
+
+    def new_pass(self) -> None:
+        self._ask({"op": "new_pass"})
+
+    def generate(self, ids: tuple[int, ...], max_new: int) -> Run:
+        r = self._ask({"op": "generate", "ids": list(ids), "max_new": max_new})
+        run = Run(self.config.label, "", "", 0, len(ids), r["new_tokens"], r["wall_s"], r["token_ids"],
+                  prefill_s=r["prefill_s"], target_forwards=r["target_forwards"], drafts=r["drafts"],
+                  draft_tokens=r["draft_tokens"], accepted_tokens=r["accepted_tokens"],
+                  tested_tokens=r["tested_tokens"], accepted_per_position=r["accepted_per_position"],
+                  drafted_per_position=r["drafted_per_position"])
+        return run
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"op": "exit"}\n')
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, ValueError):
+                pass
+            except Exception:  # noqa: BLE001 - a hung worker is ended, by its own process id
+                self.proc.kill()
+
+
+def ref_source(path: str | None) -> Path:
+    """--ref-src: a specdec source tree's `src` folder (or the checkout holding one)."""
+    if not path:
+        raise InvalidRequestError("ref@ configurations need --ref-src DIR (another specdec checkout or its src "
+                                  "folder)", "ref_src")
+    root = Path(path).expanduser().resolve()
+    for candidate in (root, root / "src"):
+        if (candidate / "specdec" / "engine.py").is_file():
+            return candidate
+    raise InvalidRequestError(f"--ref-src {path}: no specdec package there (looked for specdec/engine.py in it "
+                              "and in its src folder)", "ref_src")
 
 
 class HFRunner:
@@ -460,8 +542,7 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
     `log(message)` gets one-line notes (loading, skipped peers); `total(n)` the number of runs
     about to happen (warm-up included); `progress(label)` is called after each run.
     """
-    from ..engine import Engine, resolve_device
-    from ..models import loader
+    from ..engine import resolve_device
 
     log = log or (lambda message: None)
     progress = progress or (lambda label: None)
@@ -474,12 +555,27 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
     device = resolve_device(settings.device)
     canon = canonical_dtype(device)
     canon(settings.dtype)  # a bad --dtype fails here
+    ref_src = ref_source(settings.ref_src) if any(c.ref for c in configs) else None
     configs, baselines = with_baselines(configs, settings.dtype, settings.quantize, canon)
+    runners: dict[str, object] = {}
+    try:
+        return _run_bench(settings, configs, baselines, prompts, device, canon, ref_src, runners, progress, log,
+                          total)
+    finally:
+        for r in runners.values():
+            if isinstance(r, RefRunner):
+                r.close()
+
+
+def _run_bench(settings: Settings, configs: list[BenchConfig], baselines: dict[str, str],
+               prompts: list[BenchPrompt], device: str, canon, ref_src: Path | None, runners: dict,
+               progress, log, total) -> BenchResult:
+    from ..engine import Engine
+    from ..models import loader
 
     # -- specdec targets: one load per (dtype, quantize), shared by every configuration on it ----
     targets: dict[tuple, Engine] = {}
     described: dict[str, str] = {}
-    runners: dict[str, object] = {}
     skipped: dict[str, str] = {}
     drafts: dict[tuple, tuple] = {}  # (path, dtype) -> (draft model, its tokenizer)
     for c in configs:
@@ -494,6 +590,11 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
         described[c.label] = f"specdec {key[0]}" + (" int8" if key[1] == "int8" else "")
         runners[c.label] = SpecdecRunner(c, base.model, base.tokenizer, _drafter_factory(c, base, drafts, log),
                                          device)
+    for c in configs:
+        if c.ref:
+            key = target_key(c, settings.dtype, settings.quantize, canon)
+            runners[c.label] = RefRunner(c, ref_src, settings.model, ref_load_options(c, key[0], key[1], device), log)
+            described[c.label] = f"{runners[c.label].package} {key[0]}" + (f" {key[1]}" if key[1] != "none" else "")
     first = next(iter(targets.values()))
     tokenizer, cfg = first.tokenizer, first.model.config
 
@@ -595,7 +696,7 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
                     gc.collect()
                     probe.start()
                     run = r.generate(ids, settings.max_tokens)
-                    run.peak_memory = probe.peak()
+                    run.peak_memory = None if isinstance(r, RefRunner) else probe.peak()
                     run.prompt_id, run.group, run.repeat = p.id, p.group, repeat
                     runs.append(run)
                     progress(r.config.label)
@@ -613,7 +714,7 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
     done = {r.prompt_id for r in runs}
     compare_outputs(runs, baselines)
     return BenchResult(settings, configs, baselines, described, [i for i in infos if i.id in done], runs, skipped,
-                       probe.kind, machine_info(device), interrupted)
+                       probe.kind, machine_info(device), interrupted, counterparts(configs))
 
 
 def compare_outputs(runs: list[Run], baselines: dict[str, str]) -> None:
