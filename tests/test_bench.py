@@ -353,7 +353,7 @@ def test_ref_configurations_run_another_tree_in_a_worker(tiny, capsys):
     out_json = tmp / "ref.json"
     code = main(["bench", "--model", str(folder), "--configs", "plain,ngram:k=3,ref@plain,ref@ngram:k=3",
                  "--ref-src", str(src), "--tasks", "none", "--prompts", str(prompts), "--max-tokens", "12",
-                 "--repeats", "2", "--no-progress", "--json", str(out_json)])
+                 "--repeats", "2", "--no-progress", "--json", str(out_json), "--clock", "cpu"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     data = json.loads(out_json.read_text())
@@ -376,6 +376,7 @@ def test_ref_configurations_run_another_tree_in_a_worker(tiny, capsys):
     assert v["config"] == "ngram:k=3" and v["identical"] == v["compared"] == 4 and v["ratio"] > 0
     assert v["interval"][0] <= v["ratio"] <= v["interval"][1]
     assert "| `ngram:k=3` | `ref@ngram:k=3` |" in captured.out and "--ref-src" in data["command"]
+    assert "--clock cpu" in data["command"] and "CPU time of the process" in captured.out
     assert "ref@plain" not in data["headline"]["vs_peers"]
 
 

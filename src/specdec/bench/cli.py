@@ -49,6 +49,9 @@ def add_arguments(parser) -> None:
                         help="another specdec source tree (a checkout or its src folder) that ref@CONFIG "
                              "configurations run in a worker process, e.g. --configs plain,ref@plain "
                              "--ref-src ../old: two versions of specdec side by side in one run")
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="what a run's seconds are: wall (default) or the process's CPU time, which leaves "
+                             "out the time spent waiting for a core on a shared machine (for 1-thread runs)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved passes over the prompts (default 1)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up rounds before measuring (default 1)")
@@ -76,6 +79,8 @@ def command_line(args) -> str:
     if args.ref_src:
         parts += ["--ref-src", args.ref_src]
     parts += ["--device", args.device, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+    if args.clock != "wall":
+        parts += ["--clock", args.clock]
     return shlex.join(parts)
 
 
@@ -104,7 +109,7 @@ def run(args) -> int:
                              args.chat)
     quantize = resolve_quantize(args.quantize, args.device, args.model)
     settings = Settings(args.model, args.max_tokens, args.dtype, quantize, args.device, args.repeats, args.warmup,
-                        args.ref_src)
+                        args.ref_src, args.clock)
 
     def log(message: str) -> None:
         (bar.write if bar is not None else lambda m: print(m, file=sys.stderr))(f"bench: {message}")

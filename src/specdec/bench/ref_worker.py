@@ -13,7 +13,7 @@ lives here: a keyword the other `Engine.load` does not take is dropped when its 
 
 Requests::
 
-    {"op": "load", "target": ..., "load": {Engine.load keywords}, "threads": N}
+    {"op": "load", "target": ..., "load": {Engine.load keywords}, "threads": N, "clock": "wall" | "cpu"}
         -> {"ok": true, "specdec": path of the package imported}
     {"op": "new_pass"}   fresh lookup-drafter state (the runner's rule: no replay across passes)
     {"op": "generate", "ids": [...], "max_new": N}
@@ -35,6 +35,7 @@ class Worker:
     def __init__(self):
         self.engine = None
         self.options = {}
+        self.clock = time.perf_counter
 
     def load(self, request):
         import torch
@@ -42,6 +43,8 @@ class Worker:
         from specdec.engine import Engine
 
         torch.set_num_threads(int(request["threads"]))
+        # The calling runner's clock: wall time, or the process's CPU time (--clock cpu).
+        self.clock = time.process_time if request.get("clock") == "cpu" else time.perf_counter
         accepted = inspect.signature(Engine.load).parameters
         options = {}
         for key, value in request["load"].items():
@@ -68,9 +71,9 @@ class Worker:
     def generate(self, request):
         ids = list(request["ids"])
         gc.collect()  # the previous run's garbage, collected outside this run's time
-        start = time.perf_counter()
+        start = self.clock()
         gen = self.engine.generate(prompt_ids=ids, max_new_tokens=int(request["max_new"]))
-        wall = time.perf_counter() - start
+        wall = self.clock() - start
         s = gen.stats
         steps = [st for st in getattr(gen, "steps", []) if getattr(st, "kind", "") != "prefill"]
         tested = sum(len(st.accepted) + (len(st.accepted) < st.drafted) for st in steps)

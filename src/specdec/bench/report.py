@@ -304,7 +304,8 @@ def to_markdown(result: BenchResult, summaries: list[Summary], command: str | No
         f"- model: {st.model}; greedy; up to {st.max_tokens} new tokens; {len(result.prompts)} prompts "
         f"({', '.join(f'{g} {n}' for g, n in counts.items())}); {st.repeats} repeat(s), interleaved, "
         f"after {st.warmup} warm-up round(s)",
-        "- tokens/s: new tokens / wall time of the whole generate call (prefill included); speedup: over "
+        f"- tokens/s: new tokens / {'CPU time of the process during' if st.clock == 'cpu' else 'wall time of'} "
+        "the whole generate call (prefill included); speedup: over "
         "plain decoding of the same target (dtype, quantisation) in the same run, peers over the default "
         "target's plain; [a, b]: its 95% bootstrap interval over the prompts (a run's figure depends on the "
         "prompts drawn; the machine's drift is not in it); bound: Leviathan et al.'s expected speedup from "

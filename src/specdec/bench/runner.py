@@ -19,7 +19,10 @@ one HF model per dtype.
 Timing. Every configuration, specdec and peers alike, is timed the same way: the wall time of the
 whole generate call on pre-tokenised ids (prefill included, tokenisation excluded), and tokens/s
 counts new tokens only (the prompt is excluded; an EOS that ended the output counts, as one
-generated token). All runs are greedy.
+generated token). All runs are greedy. `clock="cpu"` (`--clock cpu`) times the same calls by the
+process's CPU time instead: on a machine shared with other work, wall time also counts the time
+the process waited for a core, CPU time does not (it is the measure for one-thread runs; the
+prefill time and drafting time behind the bound and step cost stay wall-clock).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from .configs import (BenchConfig, counterparts, eagle_name, lookup_drafter, ref
 from .prompts import BenchPrompt
 
 WARMUP_TOKENS = 16  # tokens per warm-up generation: enough to run the decode loop, cheap
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # --clock: what a run's seconds are
 
 
 @dataclass
@@ -54,6 +58,7 @@ class Settings:
     repeats: int = 1
     warmup: int = 1
     ref_src: str | None = None  # another specdec tree, for ref@ configurations
+    clock: str = "wall"  # a key of CLOCKS
 
 
 @dataclass
@@ -66,7 +71,7 @@ class Run:
     repeat: int
     prompt_tokens: int
     new_tokens: int
-    wall_s: float  # the whole generate call, prefill included
+    wall_s: float  # the whole generate call, prefill included (CPU seconds with clock="cpu")
     token_ids: list[int]
     peak_memory: int | None = None  # bytes: peak RSS during the run (CPU) or CUDA max allocated
     # specdec only (None / 0 for peers, which do not expose them):
@@ -208,6 +213,8 @@ def _sync(device: str) -> None:
 class SpecdecRunner:
     """A specdec configuration: an Engine around a shared target, with its own drafter."""
 
+    clock = staticmethod(time.perf_counter)  # run_bench sets the chosen one on every runner
+
     def __init__(self, config: BenchConfig, model, tokenizer, make_drafter: Callable[[], object], device: str):
         self.config = config
         self.model = model
@@ -234,10 +241,10 @@ class SpecdecRunner:
         if self.drafter is not None:
             self.drafter.take_seconds()
         _sync(self.device)
-        start = time.perf_counter()
+        start = self.clock()
         gen = self.engine.generate(prompt_ids=list(ids), max_new_tokens=max_new, sampling=SamplingParams())
         _sync(self.device)
-        wall = time.perf_counter() - start
+        wall = self.clock() - start
         s = gen.stats
         # Positions verified per step: every accepted draft token plus the first rejected one (the
         # target never looks past it). Accepted / verified is the per-token acceptance probability
@@ -262,7 +269,7 @@ class RefRunner:
     it no bound; its speed, identity and drafting counts are measured like the others'.
     """
 
-    def __init__(self, config: BenchConfig, src: Path, target: str, load: dict, log):
+    def __init__(self, config: BenchConfig, src: Path, target: str, load: dict, log, clock: str = "wall"):
         import subprocess
 
         self.config = config
@@ -272,7 +279,8 @@ class RefRunner:
                                      stdout=subprocess.PIPE, text=True, env=env)
         log(f"loading the target {target} in the reference tree {src} for {config.label}")
         try:
-            loaded = self._ask({"op": "load", "target": target, "load": load, "threads": torch.get_num_threads()})
+            loaded = self._ask({"op": "load", "target": target, "load": load, "threads": torch.get_num_threads(),
+                                "clock": clock})
         except BaseException:
             self.close()
             raise
@@ -334,6 +342,8 @@ def ref_source(path: str | None) -> Path:
 class HFRunner:
     """HF transformers `generate`, greedy: plain, prompt lookup, or with an assistant model."""
 
+    clock = staticmethod(time.perf_counter)
+
     def __init__(self, config: BenchConfig, model, eos_ids: list[int], device: str, assistant=None):
         self.config = config
         self.model = model
@@ -361,16 +371,18 @@ class HFRunner:
         inputs = torch.tensor([list(ids)], device=self.device)
         kwargs = {"assistant_model": self.assistant} if self.assistant is not None else {}
         _sync(self.device)
-        start = time.perf_counter()
+        start = self.clock()
         with torch.inference_mode():
             out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=gc, **kwargs)
             new = out[0, len(ids):].tolist()
-        wall = time.perf_counter() - start
+        wall = self.clock() - start
         return Run(self.config.label, "", "", 0, len(ids), len(new), wall, new)
 
 
 class LlamaCppRunner:
     """llama-cpp-python on a GGUF file, greedy: plain, or with its prompt-lookup drafter."""
+
+    clock = staticmethod(time.perf_counter)
 
     def __init__(self, config: BenchConfig, gguf: Path, threads: int, n_ctx: int, eos_ids: list[int]):
         import llama_cpp
@@ -398,13 +410,13 @@ class LlamaCppRunner:
         # would otherwise reuse a cached common prefix, which the other configurations do not).
         self.llm.reset()
         new: list[int] = []
-        start = time.perf_counter()
+        start = self.clock()
         for token in self.llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
                                        reset=True):
             new.append(int(token))
             if new[-1] in self.eos or len(new) >= max_new:
                 break
-        wall = time.perf_counter() - start
+        wall = self.clock() - start
         return Run(self.config.label, "", "", 0, len(ids), len(new), wall, new)
 
 
@@ -552,6 +564,11 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
         raise InvalidRequestError("--repeats must be >= 1", "repeats")
     if settings.warmup < 0:
         raise InvalidRequestError("--warmup must be >= 0", "warmup")
+    if settings.clock not in CLOCKS:
+        raise InvalidRequestError(f"--clock must be one of {', '.join(CLOCKS)}", "clock")
+    if settings.clock != "wall" and any(c.kind == "llama-spec" for c in configs):
+        raise InvalidRequestError("--clock cpu cannot time llama-spec (another process, timed by its own log)",
+                                  "clock")
     device = resolve_device(settings.device)
     canon = canonical_dtype(device)
     canon(settings.dtype)  # a bad --dtype fails here
@@ -593,7 +610,8 @@ def _run_bench(settings: Settings, configs: list[BenchConfig], baselines: dict[s
     for c in configs:
         if c.ref:
             key = target_key(c, settings.dtype, settings.quantize, canon)
-            runners[c.label] = RefRunner(c, ref_src, settings.model, ref_load_options(c, key[0], key[1], device), log)
+            runners[c.label] = RefRunner(c, ref_src, settings.model, ref_load_options(c, key[0], key[1], device), log,
+                                         settings.clock)
             described[c.label] = f"{runners[c.label].package} {key[0]}" + (f" {key[1]}" if key[1] != "none" else "")
     first = next(iter(targets.values()))
     tokenizer, cfg = first.tokenizer, first.model.config
@@ -677,6 +695,9 @@ def _run_bench(settings: Settings, configs: list[BenchConfig], baselines: dict[s
     # -- warm-up, then interleaved passes ----------------------------------------------------------
     probe = MemoryProbe(device)
     order = [runners[c.label] for c in configs]
+    for r in order:
+        if not isinstance(r, RefRunner):  # the worker was told its clock when it started
+            r.clock = CLOCKS[settings.clock]
     if total:
         total(settings.warmup * len(order) + settings.repeats * len(prompts) * len(order))
     for _ in range(settings.warmup):
