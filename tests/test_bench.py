@@ -377,6 +377,8 @@ def test_ref_configurations_run_another_tree_in_a_worker(tiny, capsys):
     assert v["interval"][0] <= v["ratio"] <= v["interval"][1]
     assert "| `ngram:k=3` | `ref@ngram:k=3` |" in captured.out and "--ref-src" in data["command"]
     assert "--clock cpu" in data["command"] and "CPU time of the process" in captured.out
+    # Wall-clock parts are not mixed into CPU-time figures.
+    assert all(s["step_cost"] is None and s["bound"] is None for s in data["summary"])
     assert "ref@plain" not in data["headline"]["vs_peers"]
 
 

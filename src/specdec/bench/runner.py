@@ -718,6 +718,8 @@ def _run_bench(settings: Settings, configs: list[BenchConfig], baselines: dict[s
                     probe.start()
                     run = r.generate(ids, settings.max_tokens)
                     run.peak_memory = None if isinstance(r, RefRunner) else probe.peak()
+                    if settings.clock != "wall":
+                        run.prefill_s = None  # the engine's is wall time: no step cost / bound from it
                     run.prompt_id, run.group, run.repeat = p.id, p.group, repeat
                     runs.append(run)
                     progress(r.config.label)
