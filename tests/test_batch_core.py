@@ -267,3 +267,56 @@ def test_model_drafter_rows_draft_in_one_batched_forward(pair, plain, monkeypatc
         assert batched == drafted[(id(alone), tuple(p))] and any(batched)
     pool = loaded._pool
     assert sorted(pool.free) == list(range(6)) and int(pool.cache.lengths.sum()) == 0  # every row handed back
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "eagle"])
+def test_lookup_first_rows_join_the_batched_forward(pair, plain, monkeypatch, kind):
+    """ngram+LEARNED rows whose lookup finds nothing draft with the learned part in the step's one
+    batched forward per draft position: in a step where four or more rows draft that way, the
+    draft model (EAGLE head) is fed draft tokens at most k - 1 times, each time over all of those
+    rows at once (row by row, each row would be fed alone, one row wide). A request's first
+    proposal reads its prompt on its own row (a long catch-up), which is not a draft position."""
+    from specdec.drafters.combined import LEARNED
+
+    counted = pair["draft"] if kind == "draft_model" else pair["head"].head
+    forwards = []  # (rows, tokens) of each forward of the counted module
+    real_forward = counted.forward
+
+    def counting_forward(x, *args, **kwargs):
+        forwards.append(tuple(x.shape[:2]))
+        return real_forward(x, *args, **kwargs)
+
+    monkeypatch.setattr(counted, "forward", counting_forward)
+    sources, steps = [], []  # steps: (the step's forwards, rows that drafted with the learned part)
+    real_draft, real_step = Engine._draft, Engine.step
+
+    def recording_draft(self, row, plan, made):
+        out = real_draft(self, row, plan, made)
+        sources.append(out[2])
+        return out
+
+    def recording_step(self, rows, cache, cap=None):
+        before = len(forwards)
+        sources.clear()
+        report = real_step(self, rows, cache, cap)
+        steps.append((forwards[before:], sum(s == LEARNED for s in sources)))
+        return report
+
+    monkeypatch.setattr(Engine, "_draft", recording_draft)
+    monkeypatch.setattr(Engine, "step", recording_step)
+    name = f"ngram+{kind}"
+    k = 3
+    sched = BatchScheduler(pair["target"], None, drafter=name, drafters={name: drafters(pair)[name]},
+                           num_speculative_tokens=k, max_batch=6, max_model_len=256, spec_token_budget=64,
+                           adaptive=False).start()
+    # Prompts without repeats: lookup finds little, so most rows fall back to the learned part.
+    ps = [torch.randint(3, V, (8 + i,), generator=torch.Generator().manual_seed(100 + i)).tolist() for i in range(8)]
+    outs = [h.result() for h in [sched.submit(Request(p, 10)) for p in ps]]
+    sched.shutdown()
+    monkeypatch.undo()
+    assert [o.token_ids for o in outs] == [plain(p, 10) for p in ps]
+    crowded = [(f, learned) for f, learned in steps if learned >= 4]
+    assert crowded, steps
+    for f, learned in crowded:
+        feeds = [rows for rows, tokens in f if tokens == 1]  # one draft token a row: a draft position
+        assert feeds and len(feeds) <= k - 1 and all(rows >= learned for rows in feeds), (f, learned)

@@ -765,23 +765,36 @@ class Engine:
         fixed k (seeded sampling) ignore it.
         """
         # 1. Propose: each row with its own drafter and draft length; rows whose drafters share a
-        # batch key (a draft model's rows) in one call, one model forward per draft position.
+        # batch key (a draft model's or an EAGLE head's rows) in one call, one model forward per
+        # draft position. A lookup-first row looks up first; where it finds nothing, its learned
+        # part joins that same batched forward (with the length the rule wants for LEARNED).
         plans = [self._plan(row, cap) for row in rows]
         batched: dict[int, tuple[Proposal, float]] = {}
-        groups: dict[int, list[int]] = {}
+        groups: dict[int, list[tuple[int, Drafter, int]]] = {}  # key -> (row, drafter, k) of each member
         for r, (row, plan) in enumerate(zip(rows, plans)):
-            if isinstance(plan, int) and plan > 0 and not row.drafter.needs.fallback:
-                key = row.drafter.batch_key()
-                if key is not None:
-                    groups.setdefault(id(key), []).append(r)
-        for members in groups.values():
-            if len(members) > 1:
+            if not isinstance(plan, int) or plan == 0 or (key := row.drafter.batch_key()) is None:
+                continue
+            k = plan
+            if row.drafter.needs.fallback:
                 started = time.perf_counter()
-                made = rows[members[0]].drafter.propose_batch([rows[r].drafter for r in members],
-                                                              [rows[r].context for r in members],
-                                                              [plans[r] for r in members])
-                share = (time.perf_counter() - started) / len(members)
-                batched.update((r, (p, share)) for r, p in zip(members, made))
+                free = row.drafter.propose_free(row.context, plan)
+                if free is not None:
+                    batched[r] = (free, time.perf_counter() - started)
+                    continue
+                k = min(plan, max(1, row.rule.next_k(LEARNED)))
+            groups.setdefault(id(key), []).append((r, row.drafter.batch_member(), k))
+        for members in groups.values():
+            if len(members) == 1 and not rows[members[0][0]].drafter.needs.fallback:
+                continue  # alone: `_draft` proposes it
+            started = time.perf_counter()
+            first = members[0][1]
+            made = first.propose_batch([d for _, d, _ in members], [rows[r].context for r, _, _ in members],
+                                       [k for _, _, k in members])
+            share = (time.perf_counter() - started) / len(members)
+            for (r, _, _), p in zip(members, made):
+                if rows[r].drafter.needs.fallback:
+                    p = Proposal(p.tokens, p.q, source=LEARNED)
+                batched[r] = (p, share)
         drafts = [self._draft(row, plan, batched.get(r)) for r, (row, plan) in enumerate(zip(rows, plans))]
         # 2. One target forward over the blocks [lead token] + drafts, each at its positions (the
         # lead token is the last emitted one, not yet in the cache; tree node i is block position
