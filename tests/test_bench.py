@@ -351,19 +351,20 @@ def test_ref_configurations_run_another_tree_in_a_worker(tiny, capsys):
     tmp, folder, prompts = tiny
     src = Path(specdec.__file__).parent.parent
     out_json = tmp / "ref.json"
-    code = main(["bench", "--model", str(folder), "--configs", "plain,ngram:k=3,ref@plain,ref@ngram:k=3",
+    code = main(["bench", "--model", str(folder), "--configs", "plain,ngram:k=3,ref@plain,ref@ngram:k=3,this@ngram:k=3",
                  "--ref-src", str(src), "--tasks", "none", "--prompts", str(prompts), "--max-tokens", "12",
                  "--repeats", "2", "--no-progress", "--json", str(out_json), "--clock", "cpu"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     data = json.loads(out_json.read_text())
-    assert [c["label"] for c in data["configs"]] == ["plain", "ngram:k=3", "ref@plain", "ref@ngram:k=3"]
-    assert {c["label"]: c["family"] for c in data["configs"]}["ref@ngram:k=3"] == "ref"
+    labels = ["plain", "ngram:k=3", "ref@plain", "ref@ngram:k=3", "this@ngram:k=3"]
+    assert [c["label"] for c in data["configs"]] == labels
+    assert {c["label"]: c["family"] for c in data["configs"]}["ref@ngram:k=3"] == "worker"
     assert {c["label"]: c["baseline"] for c in data["configs"]}["ref@ngram:k=3"] == "plain"
     # The worker imported the tree it was given.
     assert {c["label"]: c["runs_on"] for c in data["configs"]}["ref@plain"].startswith(str(src / "specdec"))
     runs = {(r["config"], r["prompt_id"], r["repeat"]): r for r in data["runs"]}
-    assert len(runs) == 4 * 2 * 2
+    assert len(runs) == 5 * 2 * 2
     for (label, pid, rep), r in runs.items():
         assert r["token_ids"] == runs[("plain", pid, rep)]["token_ids"] and r["wall_s"] > 0
         if label != "plain":
@@ -372,10 +373,11 @@ def test_ref_configurations_run_another_tree_in_a_worker(tiny, capsys):
     assert sum(r["draft_tokens"] for r in ref_ngram) > 0 and all(r["target_forwards"] < 12 for r in ref_ngram)
     versus = {v["ref"]: v for v in data["versus_reference"]}
     assert set(versus) == {"ref@plain", "ref@ngram:k=3"}
-    v = versus["ref@ngram:k=3"]
-    assert v["config"] == "ngram:k=3" and v["identical"] == v["compared"] == 4 and v["ratio"] > 0
+    assert versus["ref@plain"]["config"] == "plain"  # no this@plain: the in-process one
+    v = versus["ref@ngram:k=3"]  # its this@ twin, measured alike
+    assert v["config"] == "this@ngram:k=3" and v["identical"] == v["compared"] == 4 and v["ratio"] > 0
     assert v["interval"][0] <= v["ratio"] <= v["interval"][1]
-    assert "| `ngram:k=3` | `ref@ngram:k=3` |" in captured.out and "--ref-src" in data["command"]
+    assert "| `this@ngram:k=3` | `ref@ngram:k=3` |" in captured.out and "--ref-src" in data["command"]
     assert "--clock cpu" in data["command"] and "CPU time of the process" in captured.out
     # Wall-clock parts are not mixed into CPU-time figures.
     assert all(s["step_cost"] is None and s["bound"] is None for s in data["summary"])

@@ -29,6 +29,8 @@ An option is `key=value` or a bare flag (`adaptive`). Examples::
                                through the public `Engine.load` / `generate` that every version has; so
                                one run compares two versions of specdec side by side (any plain, ngram,
                                suffix, draft or eagle configuration after `ref@`)
+    this@ngram:k=5             ... run by this tree, in the same kind of worker process: the side to
+                               compare ref@ with, since a process's own speed varies (see runner.py)
 
 The label of a configuration is its text as written, so it is what the tables show. Parsing is pure
 (no models are touched), so a bad list fails at once, before anything slow.
@@ -82,12 +84,17 @@ class BenchConfig:
     label: str
     kind: str
     options: dict = field(default_factory=dict)
-    ref: bool = False  # `ref@...`: run by the --ref-src tree in a worker process
+    worker: str | None = None  # "ref" (`ref@`: the --ref-src tree) or "this" (`this@`), in a worker process
+
+    @property
+    def ref(self) -> bool:
+        """Runs in a worker process (`ref@` or `this@`)."""
+        return self.worker is not None
 
     @property
     def family(self) -> str:
-        """"specdec", "ref" (a specdec configuration of the --ref-src tree), "hf" or "llama-cpp"."""
-        return "ref" if self.ref else KINDS[self.kind][0]
+        """"specdec", "worker" (a specdec configuration in a worker process), "hf" or "llama-cpp"."""
+        return "worker" if self.ref else KINDS[self.kind][0]
 
     @property
     def speculative(self) -> bool:
@@ -125,22 +132,23 @@ def parse_configs(text: str, draft_model: str | None = None) -> list[BenchConfig
     return configs
 
 
-REF_PREFIX = "ref@"
+WORKER_PREFIXES = {"ref@": "ref", "this@": "this"}
 # Options a ref@ configuration cannot pass on: the worker reaches the other tree only through
 # `Engine.load`'s keywords, and the n-gram range is not one of them.
 REF_UNSUPPORTED = ("max_ngram", "min_ngram")
 
 
 def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
-    if item.strip().lower().startswith(REF_PREFIX):
-        inner = parse_config(item.strip()[len(REF_PREFIX):], draft_model)
+    prefix = next((p for p in WORKER_PREFIXES if item.strip().lower().startswith(p)), None)
+    if prefix is not None:
+        inner = parse_config(item.strip()[len(prefix):], draft_model)
         if inner.family != "specdec":
-            raise InvalidRequestError(f"{item!r}: ref@ takes a specdec configuration (plain, ngram, suffix, draft, "
-                                      "eagle)", "configs")
+            raise InvalidRequestError(f"{item!r}: {prefix} takes a specdec configuration (plain, ngram, suffix, "
+                                      "draft, eagle)", "configs")
         if bad := [key for key in REF_UNSUPPORTED if key in inner.options]:
-            raise InvalidRequestError(f"{item!r}: {bad[0]} cannot be passed to the reference tree "
+            raise InvalidRequestError(f"{item!r}: {bad[0]} cannot be passed to a worker process "
                                       "(Engine.load takes no such option)", "configs")
-        return BenchConfig(item.strip(), inner.kind, inner.options, ref=True)
+        return BenchConfig(item.strip(), inner.kind, inner.options, worker=WORKER_PREFIXES[prefix])
     kind, *parts = item.split(":")
     kind = kind.strip().lower()
     if kind not in KINDS:
@@ -207,14 +215,16 @@ def eagle_name(options: dict) -> str:
 
 
 def counterparts(configs: list[BenchConfig]) -> dict[str, str]:
-    """ref@ configuration label -> the label of the same configuration run by this tree, where the
-    list has one (same kind, same options once defaults are filled in)."""
+    """ref@ configuration label -> the label of the same configuration run by this tree (same kind,
+    same options once defaults are filled in): its this@ twin where there is one (measured alike, in
+    a worker), else the in-process one."""
     out = {}
     for r in configs:
-        if r.ref:
-            mine = next((c.label for c in configs if not c.ref and c.kind == r.kind and c.options == r.options), None)
-            if mine is not None:
-                out[r.label] = mine
+        if r.worker == "ref":
+            same = [c for c in configs if c.worker != "ref" and c.kind == r.kind and c.options == r.options]
+            same.sort(key=lambda c: c.worker != "this")
+            if same:
+                out[r.label] = same[0].label
     return out
 
 
@@ -295,8 +305,8 @@ def with_baselines(configs: list[BenchConfig], dtype: str, quantize: str | None,
     configuration is added right before its first user (first in the list for the peers' one).
     """
     configs = list(configs)
-    # ref@ configurations run on the same target as this tree's: their baseline is this tree's plain.
-    key_of = {c.label: target_key(c, dtype, quantize, canonical) for c in configs if c.family in ("specdec", "ref")}
+    # Worker configurations run on the same target as this tree's: their baseline is this tree's plain.
+    key_of = {c.label: target_key(c, dtype, quantize, canonical) for c in configs if c.family in ("specdec", "worker")}
     plain_of: dict[tuple, str] = {}
     for c in configs:
         if c.kind == "plain" and not c.ref:
@@ -314,7 +324,7 @@ def with_baselines(configs: list[BenchConfig], dtype: str, quantize: str | None,
     if any(c.family != "specdec" for c in configs) and not plain_of:
         add_plain(default_key, {}, 0)
     for c in list(configs):
-        if c.family in ("specdec", "ref") and key_of[c.label] not in plain_of:
+        if c.family in ("specdec", "worker") and key_of[c.label] not in plain_of:
             add_plain(key_of[c.label], {k: v for k, v in c.options.items() if k in ("dtype", "quantize")},
                       configs.index(c))
     peer_baseline = plain_of.get(default_key) or next(c.label for c in configs if c.kind == "plain" and not c.ref)

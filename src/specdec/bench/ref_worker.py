@@ -15,7 +15,6 @@ Requests::
 
     {"op": "load", "target": ..., "load": {Engine.load keywords}, "threads": N, "clock": "wall" | "cpu"}
         -> {"ok": true, "specdec": path of the package imported}
-    {"op": "new_pass"}   fresh lookup-drafter state (the runner's rule: no replay across passes)
     {"op": "generate", "ids": [...], "max_new": N}
         -> {"ok": true, "token_ids": [...], "wall_s": ..., stats ...}
     {"op": "exit"}
@@ -34,7 +33,6 @@ import time
 class Worker:
     def __init__(self):
         self.engine = None
-        self.options = {}
         self.clock = time.perf_counter
 
     def load(self, request):
@@ -52,21 +50,10 @@ class Worker:
                 options[key] = value
             elif value is not None:
                 raise ValueError(f"the reference tree's Engine.load takes no {key!r} (asked {key}={value!r})")
-        self.options = options
         self.engine = Engine.load(request["target"], **options)
         import specdec
 
         return {"specdec": os.path.dirname(specdec.__file__)}
-
-    def new_pass(self, request):
-        # A lookup drafter learns across requests (the suffix cache): a new pass starts it afresh,
-        # as the runner does for this tree's configurations. Model drafters reset per request.
-        name = self.options.get("drafter")
-        if name in ("ngram", "suffix"):
-            from specdec.engine import make_drafter
-
-            self.engine.drafter = make_drafter(name)
-        return {}
 
     def generate(self, request):
         ids = list(request["ids"])
@@ -92,7 +79,7 @@ def main():
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     sys.stdout = sys.stderr  # whatever the other tree prints must not reach the reply stream
     worker = Worker()
-    ops = {"load": worker.load, "new_pass": worker.new_pass, "generate": worker.generate}
+    ops = {"load": worker.load, "generate": worker.generate}
     for line in sys.stdin:
         request = json.loads(line)
         op = request.get("op")

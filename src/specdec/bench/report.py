@@ -256,7 +256,7 @@ def headline(result: BenchResult, summaries: list[Summary]) -> dict | None:
         return None
     best = max(ours, key=lambda s: s.tokens_per_s)
     vs = {label: best.tokens_per_s / s.tokens_per_s for label, s in overall.items()
-          if family[label] not in ("specdec", "ref") and s.tokens_per_s > 0}
+          if family[label] not in ("specdec", "worker") and s.tokens_per_s > 0}
     return {"best": best.config, "tokens_per_s": best.tokens_per_s, "vs_own_plain": best.speedup,
             "vs_own_plain_interval": best.speedup_interval, "baseline": best.baseline, "vs_peers": vs}
 

@@ -261,7 +261,8 @@ class SpecdecRunner:
 
 class RefRunner:
     """A `ref@` configuration: the same specdec configuration run by another source tree, in a
-    worker process (`ref_worker.py`) that loads its own target through that tree's `Engine.load`.
+    worker process (`ref_worker.py`) that loads its own target through that tree's `Engine.load`
+    (`this@`: this tree, in the same kind of process, so the two sides are measured alike).
 
     The worker times the generate call itself, exactly as `SpecdecRunner` does (pre-tokenised ids,
     prefill included), so the pipe is not in the figure. It runs with this process's thread count
@@ -270,21 +271,25 @@ class RefRunner:
     """
 
     def __init__(self, config: BenchConfig, src: Path, target: str, load: dict, log, clock: str = "wall"):
+        self.config = config
+        self.src, self.passes = src, 0
+        self.warm: tuple | None = None  # the first generate call (the warm-up), repeated by each new process
+        self.load = {"op": "load", "target": target, "load": load, "threads": torch.get_num_threads(), "clock": clock}
+        log(f"loading the target {target} in a worker on {src} for {config.label}")
+        self._start()
+
+    def _start(self) -> None:
         import subprocess
 
-        self.config = config
         worker = Path(__file__).with_name("ref_worker.py")
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the worker sets its own path
-        self.proc = subprocess.Popen([sys.executable, str(worker), str(src)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, str(worker), str(self.src)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
-        log(f"loading the target {target} in the reference tree {src} for {config.label}")
         try:
-            loaded = self._ask({"op": "load", "target": target, "load": load, "threads": torch.get_num_threads(),
-                                "clock": clock})
+            self.package = self._ask(self.load)["specdec"]
         except BaseException:
             self.close()
             raise
-        self.package = loaded["specdec"]
 
     def _ask(self, request: dict) -> dict:
         import json
@@ -303,9 +308,19 @@ class RefRunner:
         return reply
 
     def new_pass(self) -> None:
-        self._ask({"op": "new_pass"})
+        """A fresh worker process for every pass: how fast a process runs the same code varies with
+        where its memory landed (same-tree workers side by side differed by several percent on a
+        shared machine), so each pass draws a new process instead of keeping one draw for all."""
+        if self.passes:
+            self.close()
+            self._start()  # (a fresh process also starts its lookup drafters afresh)
+            if self.warm is not None:
+                self.generate(*self.warm)  # its own warm-up, as the first process had
+        self.passes += 1
 
     def generate(self, ids: tuple[int, ...], max_new: int) -> Run:
+        if self.warm is None:
+            self.warm = (ids, max_new)
         r = self._ask({"op": "generate", "ids": list(ids), "max_new": max_new})
         run = Run(self.config.label, "", "", 0, len(ids), r["new_tokens"], r["wall_s"], r["token_ids"],
                   prefill_s=r["prefill_s"], target_forwards=r["target_forwards"], drafts=r["drafts"],
@@ -572,7 +587,7 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
     device = resolve_device(settings.device)
     canon = canonical_dtype(device)
     canon(settings.dtype)  # a bad --dtype fails here
-    ref_src = ref_source(settings.ref_src) if any(c.ref for c in configs) else None
+    ref_src = ref_source(settings.ref_src) if any(c.worker == "ref" for c in configs) else None
     configs, baselines = with_baselines(configs, settings.dtype, settings.quantize, canon)
     runners: dict[str, object] = {}
     try:
@@ -610,7 +625,8 @@ def _run_bench(settings: Settings, configs: list[BenchConfig], baselines: dict[s
     for c in configs:
         if c.ref:
             key = target_key(c, settings.dtype, settings.quantize, canon)
-            runners[c.label] = RefRunner(c, ref_src, settings.model, ref_load_options(c, key[0], key[1], device), log,
+            src = ref_src if c.worker == "ref" else Path(__file__).resolve().parents[2]  # this tree's src
+            runners[c.label] = RefRunner(c, src, settings.model, ref_load_options(c, key[0], key[1], device), log,
                                          settings.clock)
             described[c.label] = f"{runners[c.label].package} {key[0]}" + (f" {key[1]}" if key[1] != "none" else "")
     first = next(iter(targets.values()))
