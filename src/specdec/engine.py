@@ -191,6 +191,15 @@ def resolve_drafter(drafter: str, target: str, draft_p_min: float | None = None)
     return "ngram", draft_p_min
 
 
+def check_tree_drafter(name: str) -> None:
+    """A drafter name (before anything loads) that can draft token trees: ngram, eagle[:DIR],
+    ngram+eagle[:DIR]; else the one-line error."""
+    parts = split_name(name)
+    if not (name == "ngram" or is_eagle_name(name) or (parts is not None and parts[0] == "ngram"
+                                                       and is_eagle_name(parts[1]))):
+        raise _no_trees(name)
+
+
 def _no_trees(name: str) -> InvalidRequestError:
     return InvalidRequestError(f"drafter {name!r} cannot propose draft trees; eagle, ngram and ngram+eagle can",
                                "draft_tree")
@@ -520,10 +529,8 @@ class Engine:
         # after the target, whose vocabulary, device and dtype it takes.
         draft_path = draft_model_path(drafter)
         made = None if draft_path else make_drafter(drafter, draft_p_min=draft_p_min)
-        parts = split_name(drafter)
-        tree_names = is_eagle_name(drafter) or (parts is not None and parts[0] == "ngram" and is_eagle_name(parts[1]))
-        if draft_tree is not None and not tree_names and (made is None or not made.needs.trees):
-            raise _no_trees(drafter)
+        if draft_tree is not None:
+            check_tree_drafter(drafter)
         # The tokenizer first: reading Gemma's 262k-token vocabulary peaks at ~0.5 GB of parser
         # temporaries, which are handed back before the weights arrive rather than on top of them.
         folder = loader.resolve(target, progress)

@@ -35,6 +35,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..drafters.base import TreeShape
 from ..errors import InvalidRequestError, SpecdecError
 from ..models.transformer import Transformer
 from ..sampling import SamplingParams
@@ -69,6 +70,9 @@ class ServerSettings:
     dtype: str = "auto"
     device: str = "cpu"
     quantize: str = "none"
+    # DEPTHxTOPKxBUDGET: the loaded drafters that draft trees (ngram, eagle, ngram+eagle) draft token
+    # trees of this shape in every batch (the budget shrinks with the load cap); the others chains.
+    draft_tree: str | None = None
 
 
 @dataclass
@@ -139,8 +143,12 @@ def create_app(settings: ServerSettings,
             model, tokenizer = load(settings)
             # Every drafter a request may name is loaded now, once (a draft model, an EAGLE head).
             drafters, default = serving_drafters(settings.drafter, model, tokenizer, draft_p_min=settings.draft_p_min)
+            trees = {}
+            if settings.draft_tree:
+                shape = TreeShape.parse(settings.draft_tree)
+                trees = {name: shape for name, d in drafters.items() if d is not None and d.needs.trees}
             scheduler = BatchScheduler(
-                model, tokenizer, drafter=default, drafters=drafters,
+                model, tokenizer, drafter=default, drafters=drafters, draft_trees=trees,
                 num_speculative_tokens=settings.num_speculative_tokens, max_batch=settings.max_batch,
                 max_queue=settings.max_queue, max_model_len=settings.max_model_len,
                 spec_token_budget=settings.spec_token_budget, prefill_chunk=settings.prefill_chunk,

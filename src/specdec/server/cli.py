@@ -28,6 +28,11 @@ def add_arguments(parser) -> None:
                              "by name with `speculative` (none, ngram, suffix, and eagle / draft_model and their "
                              "ngram+ / suffix+ combinations when one was loaded)")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
+    parser.add_argument("--draft-tree", metavar="DEPTHxTOPKxBUDGET", default=None,
+                        help="draft token trees of this shape (e.g. 3x2x6) in every batch with the loaded drafters "
+                             "that draft trees (ngram, eagle, ngram+eagle; --drafter must be one), their rows beside "
+                             "the others' chains; the budget shrinks with the load like a chain's k; a request's "
+                             "speculative.num_tokens 0 turns drafting off, another value sets chains' length only")
     parser.add_argument("--spec-token-budget", type=int, default=32,
                         help="tokens one batched forward may score: with n running requests each drafts at most "
                              "budget // n - 1 tokens (speculation fades out under load)")
@@ -107,13 +112,19 @@ def settings_from_args(args):
 
     # "auto": a named model's paired draft model (with its confidence cut-off), else prompt lookup.
     drafter, draft_p_min = resolve_drafter(args.drafter, args.model)
+    if args.draft_tree is not None:
+        from ..drafters.base import TreeShape
+        from ..engine import check_tree_drafter
+
+        TreeShape.parse(args.draft_tree)  # a malformed shape: one line, before anything loads
+        check_tree_drafter(drafter)
     return ServerSettings(model=args.model, served_model_name=name, drafter=drafter, draft_p_min=draft_p_min,
                           num_speculative_tokens=args.num_speculative_tokens, max_batch=args.max_batch,
                           max_queue=args.max_queue, max_model_len=args.max_model_len,
                           spec_token_budget=args.spec_token_budget, prefill_chunk=args.prefill_chunk,
                           prefix_cache_tokens=args.prefix_cache_tokens,
                           speculation_control=args.speculation_control, api_key=args.api_key, dtype=args.dtype,
-                          device=args.device, quantize=args.quantize)
+                          device=args.device, quantize=args.quantize, draft_tree=args.draft_tree)
 
 
 def bind(host: str, port: int) -> socket.socket:
