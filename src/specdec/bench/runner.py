@@ -266,8 +266,9 @@ class RefRunner:
 
     The worker times the generate call itself, exactly as `SpecdecRunner` does (pre-tokenised ids,
     prefill included), so the pipe is not in the figure. It runs with this process's thread count
-    and CPU affinity (inherited). Its peak memory is not reported (another process). Its drafter is not wrapped in `TimedDrafter`, so the report gives
-    it no bound; its speed, identity and drafting counts are measured like the others'.
+    and CPU affinity (inherited). Its peak memory is not reported (another process). Its drafter is
+    not wrapped in `TimedDrafter`, so the report gives it no bound; its speed, identity and drafting
+    counts are measured like the others'.
     """
 
     def __init__(self, config: BenchConfig, src: Path, target: str, load: dict, log, clock: str = "wall"):

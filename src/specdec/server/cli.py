@@ -116,7 +116,7 @@ def settings_from_args(args):
         from ..drafters.base import TreeShape
         from ..engine import check_tree_drafter
 
-        TreeShape.parse(args.draft_tree)  # a malformed shape: one line, before anything loads
+        TreeShape.parse(args.draft_tree)  # a malformed shape: one line, before the drafter's name
         check_tree_drafter(drafter)
     return ServerSettings(model=args.model, served_model_name=name, drafter=drafter, draft_p_min=draft_p_min,
                           num_speculative_tokens=args.num_speculative_tokens, max_batch=args.max_batch,
@@ -155,7 +155,8 @@ def bind(host: str, port: int) -> socket.socket:
 def run(args) -> int:
     import uvicorn
 
-    from ..engine import check_quantize, draft_model_path, resolve_device, resolve_dtype, resolve_quantize
+    from ..engine import draft_model_path, resolve_device, resolve_dtype, resolve_quantize
+    from ..settings import DecodingSettings
     from ..models.loader import check_path
     from .app import create_app
 
@@ -166,7 +167,9 @@ def run(args) -> int:
     device = resolve_device(settings.device)
     quantize = resolve_quantize(settings.quantize, device, settings.model)
     resolve_dtype(settings.dtype, device, quantize)
-    check_quantize(quantize, device)
+    # The decoding options, validated once (one error line, before the port is bound).
+    DecodingSettings(quantize=quantize, device=device, num_speculative_tokens=settings.num_speculative_tokens,
+                     draft_tree=settings.draft_tree, draft_p_min=settings.draft_p_min)
     if settings.model != "default":
         check_path(settings.model)
     draft_model_path(settings.drafter)  # an unknown drafter or a missing path fails here
