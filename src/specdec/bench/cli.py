@@ -47,8 +47,9 @@ def add_arguments(parser) -> None:
                              "draft model)")
     parser.add_argument("--ref-src", metavar="DIR",
                         help="another specdec source tree (a checkout or its src folder) that ref@CONFIG "
-                             "configurations run in a worker process, e.g. --configs plain,ref@plain "
-                             "--ref-src ../old: two versions of specdec side by side in one run")
+                             "configurations run in a worker process (this@CONFIG: this tree in the same kind of "
+                             "process, the side to compare with), e.g. --configs this@plain,ref@plain --ref-src "
+                             "../old: two versions of specdec side by side in one run")
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                         help="what a run's seconds are: wall (default) or the process's CPU time, which leaves "
                              "out the time spent waiting for a core on a shared machine (for 1-thread runs)")
