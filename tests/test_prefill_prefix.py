@@ -86,6 +86,22 @@ def test_prefix_cache_same_greedy_output_including_after_eviction(tiny, with_dra
     assert outs[0] == expected
 
 
+def test_requests_arriving_together_share_their_system_prompt(tiny):
+    """The prompt is stored right after its prefill, not when its request finishes: of four
+    requests submitted together with one system prompt, the three prefilled after the first copy
+    its prefix; greedy output is that of plain decoding."""
+    target, _ = tiny
+    system = ids(40, 3)
+    prompts = [system + ids(5 + i, 50 + i) for i in range(4)]
+    sched = BatchScheduler(target, None, drafter="none", max_batch=4, max_model_len=160, prefix_cache_tokens=400)
+    outs = drive(sched, [sched.submit(Request(p, 6)) for p in prompts])
+    plain = Engine(target, None)
+    assert outs == [plain.generate(prompt_ids=p, max_new_tokens=6).token_ids for p in prompts]
+    stats = sched.prefix_cache.stats
+    assert stats.hits == 3 and stats.hit_tokens == 3 * 40
+    assert sched.counters.prompt_tokens_cached == 3 * 40
+
+
 def test_prefix_cache_lookup_and_eviction(tiny):
     target, _ = tiny
     cache = target.new_cache(1, 64)

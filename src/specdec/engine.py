@@ -39,6 +39,7 @@ from .errors import InvalidRequestError, SpecdecError
 from .models import loader
 from .models.kv_cache import KVCache
 from .models.transformer import Transformer
+from .settings import DecodingSettings
 from .sampling import SamplingParams, adjust_logits, greedy_tokens, make_generator, process_logits, sample
 from .tokenizer import Detokenizer, Tokenizer
 from .verify import TokenTree, TreeVerdict, first_proven_rejection, verify_greedy, verify_greedy_rows, \
@@ -116,10 +117,8 @@ def make_drafter(name: str, target: Transformer | None = None, target_tokenizer:
     `draft_vocab` N > 0: the draft model scores only its N most frequent ids (FR-Spec; see
     `drafters/draft_model.py`), still lossless.
     """
-    from .drafters.draft_model import DEFAULT_DRAFT_P_MIN, DraftModelDrafter, check_draft_p_min
+    from .drafters.draft_model import DEFAULT_DRAFT_P_MIN, DraftModelDrafter
 
-    if draft_p_min is not None:
-        check_draft_p_min(draft_p_min)
     if (parts := split_name(name)) is not None:
         draft_model_path(name)  # the learned part must be one
         learned = make_drafter(parts[1], target, target_tokenizer, draft_p_min, progress, draft_quantize, draft_vocab)
@@ -174,12 +173,12 @@ def _parallel_target(folder, dtype: torch.dtype, device: str, quantize: str, wor
 
 
 def draft_quantize_for(draft_quantize: str | None, target: Transformer) -> str:
-    """The draft model's quantisation: as asked, or ("auto" / None) the target's."""
+    """The draft model's quantisation: as asked (checked by `DecodingSettings`), or ("auto" / None)
+    the target's."""
     from .models.quant import Int8Linear
 
     if draft_quantize in (None, "auto"):
         return "int8" if isinstance(target.lm_head, Int8Linear) else "none"
-    check_quantize(draft_quantize, str(target.embed_tokens.weight.device.type))
     return draft_quantize
 
 
@@ -215,37 +214,18 @@ def resolve_drafter(drafter: str, target: str, draft_p_min: float | None = None)
     return "ngram", draft_p_min
 
 
+def check_tree_drafter(name: str) -> None:
+    """A drafter name (before anything loads) that can draft token trees: ngram, eagle[:DIR],
+    ngram+eagle[:DIR]; else the one-line error."""
+    parts = split_name(name)
+    if not (name == "ngram" or is_eagle_name(name) or (parts is not None and parts[0] == "ngram"
+                                                       and is_eagle_name(parts[1]))):
+        raise _no_trees(name)
+
+
 def _no_trees(name: str) -> InvalidRequestError:
     return InvalidRequestError(f"drafter {name!r} cannot propose draft trees; eagle, ngram and ngram+eagle can",
                                "draft_tree")
-
-
-def check_quantize(quantize: str, device: str) -> None:
-    """`quantize` on a resolved device: int8 and int4 run on the CPU (int4 with the compiled kernels)."""
-    from .models.quant import QUANT_MODES, cpu_int8_available
-
-    if quantize not in QUANT_MODES:
-        raise InvalidRequestError(f"unknown quantize {quantize!r}; choose {' or '.join(QUANT_MODES)}", "quantize")
-    if quantize != "none" and (device != "cpu" or not cpu_int8_available()):
-        raise InvalidRequestError(f"quantize={quantize} needs the CPU with PyTorch's fbgemm backend", "quantize")
-    if quantize == "int4":
-        from .models import cpu_kernels
-
-        if cpu_kernels.load() is None:  # int4 has no PyTorch fallback
-            raise InvalidRequestError("quantize=int4 needs specdec's compiled CPU kernels, which did not build "
-                                      "here (a C++ compiler and ninja are needed)", "quantize")
-
-
-def check_speculation(num_speculative_tokens: int, draft_length: str, tree, verify_cost: float | None,
-                      verify_overhead: float | None) -> None:
-    """The speculation options that need no model: `Engine.load` checks them before the slow load,
-    the constructor again for engines built around a loaded model."""
-    if num_speculative_tokens < 1:
-        raise InvalidRequestError("num_speculative_tokens must be >= 1", "num_speculative_tokens")
-    policy.check_draft_length(draft_length, verify_cost, verify_overhead)
-    if tree is not None and draft_length != "fixed":
-        raise InvalidRequestError(f"draft_length {draft_length!r} moves a chain's length; a draft tree "
-                                  "has a fixed shape", "draft_length")
 
 
 @dataclass
@@ -473,19 +453,24 @@ class Engine:
         verify_cost: float | None = None,
         verify_overhead: float | None = None,
         screen_verify: bool = True,
+        settings: DecodingSettings | None = None,
     ):
-        tree = TreeShape.parse(draft_tree) if isinstance(draft_tree, str) else draft_tree
-        draft_length = policy.default_draft_length(draft_length, tree)
-        check_speculation(num_speculative_tokens, draft_length, tree, verify_cost, verify_overhead)
+        # `settings` (from Engine.load, validated there) or the keywords, validated here, once.
+        if settings is None:
+            settings = DecodingSettings(num_speculative_tokens=num_speculative_tokens, draft_length=draft_length,
+                                        draft_tree=draft_tree, verify_cost=verify_cost,
+                                        verify_overhead=verify_overhead)
+        tree = settings.draft_tree
         if tree is not None and (drafter is None or not drafter.needs.trees):
             raise _no_trees(drafter.name if drafter is not None else "none")
+        self.settings = settings
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
-        self.k = num_speculative_tokens
-        self.draft_length = draft_length
+        self.k = settings.num_speculative_tokens
+        self.draft_length = settings.draft_length
         self.draft_tree: TreeShape | None = tree
-        self.verify_cost, self.verify_overhead = verify_cost, verify_overhead
+        self.verify_cost, self.verify_overhead = settings.verify_cost, settings.verify_overhead
         # Greedy chains on a target whose head can score chosen columns exactly (int8 on the CPU)
         # are verified with the head's full product only up to the first certain rejection.
         self.screen_verify = screen_verify and self._head_columns_exact()
@@ -536,25 +521,18 @@ class Engine:
         quantize = resolve_quantize(quantize, device, target)
         drafter, draft_p_min = resolve_drafter(drafter, target, draft_p_min)
         check_tensor_parallel(tensor_parallel, device, drafter)
-        if draft_quantize not in (None, "auto"):
-            check_quantize(draft_quantize, device)
-        from .drafters.draft_model import check_vocab
-
-        check_vocab(draft_vocab)
-        if isinstance(draft_tree, str):
-            draft_tree = TreeShape.parse(draft_tree)  # a malformed shape fails before the load
-        draft_length = policy.default_draft_length(draft_length, draft_tree)
-        check_speculation(num_speculative_tokens, draft_length, draft_tree, verify_cost, verify_overhead)
+        # Every option, validated once, before the slow target load.
+        settings = DecodingSettings(quantize=quantize, device=device, num_speculative_tokens=num_speculative_tokens,
+                                    draft_length=draft_length, draft_tree=draft_tree, verify_cost=verify_cost,
+                                    verify_overhead=verify_overhead, draft_p_min=draft_p_min,
+                                    draft_quantize=draft_quantize, draft_vocab=draft_vocab)
         torch_dtype = resolve_dtype(dtype, device, quantize)
-        check_quantize(quantize, device)
         # A bad drafter name or option fails before the slow target load; a draft model is loaded
         # after the target, whose vocabulary, device and dtype it takes.
         draft_path = draft_model_path(drafter)
         made = None if draft_path else make_drafter(drafter, draft_p_min=draft_p_min)
-        parts = split_name(drafter)
-        tree_names = is_eagle_name(drafter) or (parts is not None and parts[0] == "ngram" and is_eagle_name(parts[1]))
-        if draft_tree is not None and not tree_names and (made is None or not made.needs.trees):
-            raise _no_trees(drafter)
+        if settings.draft_tree is not None:
+            check_tree_drafter(drafter)
         # The tokenizer first: reading Gemma's 262k-token vocabulary peaks at ~0.5 GB of parser
         # temporaries, which are handed back before the weights arrive rather than on top of them.
         folder = loader.resolve(target, progress)
@@ -572,9 +550,7 @@ class Engine:
         if draft_path:
             made = make_drafter(drafter, model, tokenizer, draft_p_min, progress, draft_quantize=draft_quantize,
                                  draft_vocab=draft_vocab)
-        return cls(model, tokenizer, drafter=made, num_speculative_tokens=num_speculative_tokens,
-                   draft_length=draft_length, draft_tree=draft_tree, verify_cost=verify_cost,
-                   verify_overhead=verify_overhead, screen_verify=screen_verify)
+        return cls(model, tokenizer, drafter=made, screen_verify=screen_verify, settings=settings)
 
     @property
     def device(self) -> torch.device:
@@ -803,23 +779,36 @@ class Engine:
         fixed k (seeded sampling) ignore it.
         """
         # 1. Propose: each row with its own drafter and draft length; rows whose drafters share a
-        # batch key (a draft model's rows) in one call, one model forward per draft position.
+        # batch key (a draft model's or an EAGLE head's rows) in one call, one model forward per
+        # draft position. A lookup-first row looks up first; where it finds nothing, its learned
+        # part joins that same batched forward (with the length the rule wants for LEARNED).
         plans = [self._plan(row, cap) for row in rows]
         batched: dict[int, tuple[Proposal, float]] = {}
-        groups: dict[int, list[int]] = {}
+        groups: dict[int, list[tuple[int, Drafter, int]]] = {}  # key -> (row, drafter, k) of each member
         for r, (row, plan) in enumerate(zip(rows, plans)):
-            if isinstance(plan, int) and plan > 0 and not row.drafter.needs.fallback:
-                key = row.drafter.batch_key()
-                if key is not None:
-                    groups.setdefault(id(key), []).append(r)
-        for members in groups.values():
-            if len(members) > 1:
+            if not isinstance(plan, int) or plan == 0 or (key := row.drafter.batch_key()) is None:
+                continue
+            k = plan
+            if row.drafter.needs.fallback:
                 started = time.perf_counter()
-                made = rows[members[0]].drafter.propose_batch([rows[r].drafter for r in members],
-                                                              [rows[r].context for r in members],
-                                                              [plans[r] for r in members])
-                share = (time.perf_counter() - started) / len(members)
-                batched.update((r, (p, share)) for r, p in zip(members, made))
+                free = row.drafter.propose_free(row.context, plan)
+                if free is not None:
+                    batched[r] = (free, time.perf_counter() - started)
+                    continue
+                k = min(plan, max(1, row.rule.next_k(LEARNED)))
+            groups.setdefault(id(key), []).append((r, row.drafter.batch_member(), k))
+        for members in groups.values():
+            if len(members) == 1 and not rows[members[0][0]].drafter.needs.fallback:
+                continue  # alone: `_draft` proposes it
+            started = time.perf_counter()
+            first = members[0][1]
+            made = first.propose_batch([d for _, d, _ in members], [rows[r].context for r, _, _ in members],
+                                       [k for _, _, k in members])
+            share = (time.perf_counter() - started) / len(members)
+            for (r, _, _), p in zip(members, made):
+                if rows[r].drafter.needs.fallback:
+                    p = Proposal(p.tokens, p.q, source=LEARNED)
+                batched[r] = (p, share)
         drafts = [self._draft(row, plan, batched.get(r)) for r, (row, plan) in enumerate(zip(rows, plans))]
         # 2. One target forward over the blocks [lead token] + drafts, each at its positions (the
         # lead token is the last emitted one, not yet in the cache; tree node i is block position

@@ -72,17 +72,6 @@ def default_draft_length(draft_length: str | None, tree) -> str:
     return "fixed" if tree is not None else "cost"
 
 
-def check_draft_length(draft_length: str, verify_cost: float | None, verify_overhead: float | None = None) -> None:
-    if draft_length not in DRAFT_LENGTHS:
-        raise InvalidRequestError(f"draft_length must be one of {', '.join(DRAFT_LENGTHS)}; got {draft_length!r}",
-                                  "draft_length")
-    if verify_cost is not None and not (isinstance(verify_cost, (int, float)) and 0 < verify_cost <= 10):
-        raise InvalidRequestError(f"verify_cost must be a number in (0, 10], got {verify_cost!r}", "verify_cost")
-    if verify_overhead is not None and not (isinstance(verify_overhead, (int, float)) and 0 <= verify_overhead <= 10):
-        raise InvalidRequestError(f"verify_overhead must be a number in [0, 10], got {verify_overhead!r}",
-                                  "verify_overhead")
-
-
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

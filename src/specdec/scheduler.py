@@ -23,9 +23,10 @@ it, never the padding after it, so its logits are exactly those of the unpadded 
 rollback `truncate(len_r + 1 + accepted_r, row=r)` (`compact` for a tree's path) then drops the
 padding with the rejected drafts.
 
-Prefix caching (`prefix_cache_tokens` > 0, see `prefix_cache.py`). A sequence that leaves the
-batch finished leaves its committed tokens and a copy of their cache slots in a store bounded by
-that many cached tokens (least recently used evicted first); a new prompt starts from the longest
+Prefix caching (`prefix_cache_tokens` > 0, see `prefix_cache.py`). A prompt, once prefilled, and
+a sequence that leaves the batch finished leave their tokens and a copy of their cache slots in a
+store bounded by that many cached tokens (least recently used evicted first; the finished
+sequence's entry replaces its prompt's); a new prompt starts from the longest
 stored prefix of it, copied into its row (`KVCache.import_row`), and its prefill scores the rest.
 Slots keep their positions and no layer drops old slots, so the copy is the state that scoring
 the prefix would have left, sliding-window layers included. Rows of a learned drafter that reads
@@ -538,6 +539,12 @@ class BatchScheduler:
             emitted = self.engine.prefill(seq.row, view, None if budget is None else done + budget)
             self.counters.prefill_forwards += 1
             if emitted is not None:
+                if self.prefix_cache is not None:
+                    # The prompt is stored as soon as it is in, not only when its request
+                    # finishes: requests that arrive together with the same system prompt share
+                    # it (the next prompt's prefill begins after this one's).
+                    held = min(view.length(), len(seq.row.prompt))
+                    self.prefix_cache.insert(seq.row.prompt[:held], self.cache, r)
                 self._prefilling = None
                 self._running.append(seq)
                 if self._emit(seq, emitted):  # one token asked for, or EOS at once

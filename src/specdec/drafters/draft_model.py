@@ -110,7 +110,6 @@ class DraftModelDrafter(DrafterBase):
         target_tokenizer=None,
         vocab: int | None = None,
     ):
-        check_draft_p_min(draft_p_min)
         check_same_vocabulary(target_vocab_size, model.config.vocab_size, target_tokenizer, tokenizer)
         self.model = model
         self.target_vocab_size = target_vocab_size
@@ -151,8 +150,6 @@ class DraftModelDrafter(DrafterBase):
         from specdec.models import loader
         from specdec.tokenizer import Tokenizer
 
-        check_draft_p_min(draft_p_min)  # before the slow part
-        check_vocab(vocab)
         model, folder = loader.load(source, dtype, device, progress, quantize=quantize)
         return cls(model, target_vocab_size, draft_p_min, Tokenizer.from_folder(folder), target_tokenizer, vocab)
 
@@ -430,12 +427,6 @@ def propose_batch(drafters: list[DraftModelDrafter], contexts: list[list[int]], 
     return draft_rows(drafters, logits, ks, lambda feed: forward({i: [t] for i, t in feed.items()}))
 
 
-def check_vocab(vocab) -> None:
-    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0):
-        raise InvalidRequestError(f"the draft vocabulary must be a number of ids >= 0 (0 = all), got {vocab!r}",
-                                  param="draft_vocab")
-
-
 def special_ids(model: Transformer, tokenizer=None) -> list[int]:
     """Ids a reduced draft vocabulary always keeps: the EOS ids and the tokenizer's added tokens
     (end of turn, chat markers), which a chat answer needs to end."""
@@ -467,12 +458,6 @@ def _rows_of(head, ids: Tensor):
         if bias is not None:
             sub.bias.copy_(bias)
     return sub.requires_grad_(False)
-
-
-def check_draft_p_min(draft_p_min: float) -> None:
-    if isinstance(draft_p_min, bool) or not isinstance(draft_p_min, (int, float)) or not 0 <= draft_p_min <= 1:
-        raise InvalidRequestError(f"draft_p_min must be a number in [0, 1] (0 = off), got {draft_p_min!r}",
-                                  param="draft_p_min")
 
 
 def check_same_vocabulary(target_vocab: int, draft_vocab: int, target_tokenizer=None, draft_tokenizer=None) -> None:
