@@ -150,11 +150,11 @@ def make_drafter(name: str, target: Transformer | None = None, target_tokenizer:
 
 
 def draft_quantize_for(draft_quantize: str | None, target: Transformer) -> str:
-    """The draft model's quantisation: as asked, or ("auto" / None) the target's."""
-    from .models.quant import Int8Linear
+    """The draft model's quantisation: as asked, or ("auto" / None) the target's (int8, int4 or none)."""
+    from .models.quant import quantize_of
 
     if draft_quantize in (None, "auto"):
-        return "int8" if isinstance(target.lm_head, Int8Linear) else "none"
+        return quantize_of(target)
     check_quantize(draft_quantize, str(target.embed_tokens.weight.device.type))
     return draft_quantize
 
