@@ -167,3 +167,15 @@ def test_an_int4_draft_scores_with_a_4_bit_head_and_stays_exact(llama, vocab):
         assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=24).token_ids
         drafted += out.stats.draft_tokens
     assert drafted > 0
+
+
+def test_the_cost_rule_prices_verify_passes_by_the_targets_quantisation(llama):
+    from specdec.policy import DEFAULT_VERIFY_COSTS, hardware_kind, row_rule
+
+    _kernels_or_skip()
+    assert hardware_kind(llama) == "cpu"
+    for mode in ("int8", "int4"):
+        target = quantize_model(noisy_copy(llama, 0.0, 0), mode)
+        assert hardware_kind(target) == f"cpu-{mode}"
+        rule = row_rule("cost", 5, model=target)
+        assert (rule.verify_overhead, rule.verify_cost) == DEFAULT_VERIFY_COSTS[f"cpu-{mode}"]
