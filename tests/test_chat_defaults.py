@@ -33,6 +33,10 @@ def test_quantize_auto_is_int8_on_the_cpu_for_quantised_sources(monkeypatch):
         assert resolve_quantize("auto", "cpu", source) == "int8", source
         assert resolve_quantize("auto", "cuda", source) == "none", source  # int8 runs on the CPU only
     assert resolve_quantize("auto", "cpu", "qwen2.5-coder-1.5b-instruct") == "int4"  # Q4_K layers
+    from specdec.models.gguf_file import layer_weight_bits
+    from specdec.models.loader import DEFAULT_MODEL_LAYER_BITS, default_model_path
+
+    assert layer_weight_bits(default_model_path()) == DEFAULT_MODEL_LAYER_BITS  # the pinned figure holds
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     assert resolve_quantize("auto", "cpu", "qwen2.5-coder-1.5b-instruct") == "int8"  # no kernels: int8
     assert resolve_quantize("auto", "cpu", "/models/hf-folder") == "none"  # float weights stay as they are
@@ -202,3 +206,14 @@ def test_layer_weight_bits_reads_the_majority_of_the_layer_weights(tmp_path, mon
     monkeypatch.setattr(quant, "cpu_int8_available", lambda: True)
     monkeypatch.setattr(cpu_kernels, "load", lambda: object())
     assert [resolve_quantize("auto", "cpu", str(p)) for p in (four, eight)] == ["int4", "int8"]
+
+
+def test_the_presets_pinned_layer_bits_match_their_files_where_assembled():
+    from specdec.models import presets
+    from specdec.models.gguf_file import layer_weight_bits
+
+    found = [p for p in presets.PRESETS.values() if presets.cached_path(p).is_file()]
+    if not found:
+        pytest.skip("no preset assembled here (make qwen-coder)")
+    for p in found:
+        assert layer_weight_bits(presets.cached_path(p)) == p.layer_bits, p.name

@@ -168,16 +168,18 @@ def source_is_quantised(target: str) -> bool:
 
 def source_layer_bits(target: str) -> int | None:
     """Bits of most of a quantised source's decoder-layer weights (`gguf_file.layer_weight_bits`):
-    a preset's pinned figure, else read from the GGUF header (the default model, a .gguf path);
-    None where unknown (a missing file: the load reports it)."""
+    the figure pinned for the default model and the presets (finding the default's file hashes it),
+    else read from the GGUF header; None where unknown (a missing file: the load reports it)."""
     from .models import presets
     from .models.gguf_file import layer_weight_bits
-    from .models.loader import default_model_path
+    from .models.loader import DEFAULT_MODEL_LAYER_BITS
 
+    if str(target) == "default":
+        return DEFAULT_MODEL_LAYER_BITS
     if presets.is_preset(str(target)):
         return presets.get(str(target)).layer_bits
     try:
-        return layer_weight_bits(default_model_path() if str(target) == "default" else Path(target).expanduser())
+        return layer_weight_bits(Path(target).expanduser())
     except (SpecdecError, OSError):
         return None
 
