@@ -522,7 +522,8 @@ class Engine:
         `quantize="int8"` replaces the target's linear layers and output head by int8 weight-only
         versions (CPU only; see `models/quant.py`). That changes the target model itself, so plain
         and speculative decoding are compared on the same quantised target. "auto" (the default)
-        is int8 on the CPU for a source that is already quantised (`resolve_quantize`).
+        is, on the CPU for a source that is already quantised, int4 where most of its layer
+        weights are 4-bit and int8 otherwise (`resolve_quantize`).
 
         `drafter="auto"` (the default) is prompt lookup, or for a preset target with a paired draft
         model, that draft model (`resolve_drafter`). `draft_quantize` sets the
