@@ -237,6 +237,12 @@ class DraftModelDrafter(DrafterBase):
         else:
             self._cache = self.model.new_cache(1, len(prompt_ids) + _INITIAL_ROOM)
         self._tokens = []
+        # The prompt's keys and values now, with the target's prefill, not in the first `propose`:
+        # the engine times each propose as the price of its draft tokens (`policy.DraftCost`), and
+        # a first proposal charged with a whole prompt's forward priced the draft model out for
+        # good (it then drafted nothing more to be measured again).
+        if prompt_ids:
+            self._sync(list(prompt_ids))
 
     def propose(self, context: list[int], k: int) -> Proposal:
         check_k(k)
