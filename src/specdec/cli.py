@@ -48,8 +48,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="the draft model's quantisation (auto, the default: the target's). A 4-bit draft also "
                           "scores with a 4-bit copy of its head; a draft's numbers only move its acceptance")
     gen.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                     help="the draft model scores only its N most frequent ids (FR-Spec; 0 = all); lossless, "
-                          "the target still verifies over its full vocabulary")
+                     help="the draft model scores only its N most frequent ids (FR-Spec: the first N and the special "
+                          "ones; 0 = all); lossless, the target still verifies over its full vocabulary. "
+                          "Default: all, or the pair's 32768 under --drafter auto with a named target")
     gen.add_argument("-k", "--num-speculative-tokens", type=int, default=5,
                      help="draft tokens per step (the most, with --draft-length cost)")
     gen.add_argument("--draft-length", default=None, choices=["fixed", "adaptive", "cost"],

@@ -217,6 +217,16 @@ def resolve_drafter(drafter: str, target: str, draft_p_min: float | None = None)
     return "ngram", draft_p_min
 
 
+def pair_draft_vocab(target: str) -> int | None:
+    """The reduced draft vocabulary of a preset target's paired draft model under `drafter="auto"`
+    (None: all ids): measured the pair's best lossless setting (BENCHMARKS.md)."""
+    from .models import presets
+
+    if presets.is_preset(str(target)) and (pair := presets.get(str(target))).draft:
+        return pair.draft_vocab
+    return None
+
+
 def _no_trees(name: str) -> InvalidRequestError:
     return InvalidRequestError(f"drafter {name!r} cannot propose draft trees; eagle, ngram and ngram+eagle can",
                                "draft_tree")
@@ -526,11 +536,14 @@ class Engine:
         weights are 4-bit and int8 otherwise (`resolve_quantize`).
 
         `drafter="auto"` (the default) is prompt lookup, or for a preset target with a paired draft
-        model, that draft model (`resolve_drafter`). `draft_quantize` sets the
+        model, that draft model (`resolve_drafter`) with the pair's reduced vocabulary unless
+        `draft_vocab` is given (`pair_draft_vocab`). `draft_quantize` sets the
         draft model's quantisation (default: the target's).
         """
         device = resolve_device(device)
         quantize = resolve_quantize(quantize, device, target)
+        if drafter == "auto" and draft_vocab is None:
+            draft_vocab = pair_draft_vocab(target)
         drafter, draft_p_min = resolve_drafter(drafter, target, draft_p_min)
         if draft_quantize not in (None, "auto"):
             check_quantize(draft_quantize, device)
