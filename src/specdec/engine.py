@@ -174,11 +174,11 @@ def _parallel_target(folder, dtype: torch.dtype, device: str, quantize: str, wor
 
 def draft_quantize_for(draft_quantize: str | None, target: Transformer) -> str:
     """The draft model's quantisation: as asked (checked by `DecodingSettings`), or ("auto" / None)
-    the target's."""
-    from .models.quant import Int8Linear
+    the target's (int8, int4 or none)."""
+    from .models.quant import quantize_of
 
     if draft_quantize in (None, "auto"):
-        return "int8" if isinstance(target.lm_head, Int8Linear) else "none"
+        return quantize_of(target)
     return draft_quantize
 
 
@@ -189,15 +189,41 @@ def source_is_quantised(target: str) -> bool:
     return str(target) == "default" or presets.is_preset(str(target)) or str(target).lower().endswith(".gguf")
 
 
+def source_layer_bits(target: str) -> int | None:
+    """Bits of most of a quantised source's decoder-layer weights (`gguf_file.layer_weight_bits`):
+    the figure pinned for the default model and the presets (finding the default's file hashes it),
+    else read from the GGUF header; None where unknown (a missing file: the load reports it)."""
+    from .models import presets
+    from .models.gguf_file import layer_weight_bits
+    from .models.loader import DEFAULT_MODEL_LAYER_BITS
+
+    if str(target) == "default":
+        return DEFAULT_MODEL_LAYER_BITS
+    if presets.is_preset(str(target)):
+        return presets.get(str(target)).layer_bits
+    try:
+        return layer_weight_bits(Path(target).expanduser())
+    except (SpecdecError, OSError):
+        return None
+
+
 def resolve_quantize(quantize: str, device: str, target: str) -> str:
-    """"auto" -> int8 on the CPU (where the int8 products are available) when the source weights
-    are already quantised (a GGUF's 4-6 bit blocks: int8 keeps more than they hold, and runs ~5x
-    faster than bfloat16 here), else none (float weights are kept as they are)."""
+    """"auto" -> on the CPU (where the int8 products are available), for a source whose weights are
+    already quantised: int4 when most of its layer weights are 4-bit (a Q4_K file: the int4 path
+    keeps their grid, reads 5/8 of int8's bytes, and measured as faithful to llama.cpp on the same
+    file as int8; README, Quantisation), where the compiled kernels are built; else int8 (a GGUF's
+    5-8 bit blocks: int8 keeps more than they hold, and runs ~5x faster than bfloat16 here). Float
+    weights are kept as they are (none)."""
+    from .models import cpu_kernels
     from .models.quant import cpu_int8_available
 
     if quantize != "auto":
         return quantize
-    return "int8" if device == "cpu" and cpu_int8_available() and source_is_quantised(target) else "none"
+    if device != "cpu" or not cpu_int8_available() or not source_is_quantised(target):
+        return "none"
+    if source_layer_bits(target) == 4 and cpu_kernels.load() is not None:
+        return "int4"
+    return "int8"
 
 
 def resolve_drafter(drafter: str, target: str, draft_p_min: float | None = None) -> tuple[str, float | None]:
@@ -221,6 +247,16 @@ def check_tree_drafter(name: str) -> None:
     if not (name == "ngram" or is_eagle_name(name) or (parts is not None and parts[0] == "ngram"
                                                        and is_eagle_name(parts[1]))):
         raise _no_trees(name)
+
+
+def pair_draft_vocab(target: str) -> int | None:
+    """The reduced draft vocabulary of a preset target's paired draft model under `drafter="auto"`
+    (None: all ids): measured the pair's best lossless setting (BENCHMARKS.md)."""
+    from .models import presets
+
+    if presets.is_preset(str(target)) and (pair := presets.get(str(target))).draft:
+        return pair.draft_vocab
+    return None
 
 
 def _no_trees(name: str) -> InvalidRequestError:
@@ -511,14 +547,18 @@ class Engine:
         `quantize="int8"` replaces the target's linear layers and output head by int8 weight-only
         versions (CPU only; see `models/quant.py`). That changes the target model itself, so plain
         and speculative decoding are compared on the same quantised target. "auto" (the default)
-        is int8 on the CPU for a source that is already quantised (`resolve_quantize`).
+        is, on the CPU for a source that is already quantised, int4 where most of its layer
+        weights are 4-bit and int8 otherwise (`resolve_quantize`).
 
         `drafter="auto"` (the default) is prompt lookup, or for a preset target with a paired draft
-        model, that draft model (`resolve_drafter`). `draft_quantize` sets the
+        model, that draft model (`resolve_drafter`) with the pair's reduced vocabulary unless
+        `draft_vocab` is given (`pair_draft_vocab`). `draft_quantize` sets the
         draft model's quantisation (default: the target's).
         """
         device = resolve_device(device)
         quantize = resolve_quantize(quantize, device, target)
+        if drafter == "auto" and draft_vocab is None:
+            draft_vocab = pair_draft_vocab(target)
         drafter, draft_p_min = resolve_drafter(drafter, target, draft_p_min)
         check_tensor_parallel(tensor_parallel, device, drafter)
         # Every option, validated once, before the slow target load.

@@ -41,8 +41,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     parser.add_argument("--dtype", default="auto", help="specdec targets: auto | float32 | bfloat16 | float16 (HF peers run float32 unless hf:dtype=...)")
     parser.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
-                        help="specdec targets' quantisation; auto (default): int8 on the CPU for a GGUF source "
-                             "(the default model, a named model, a .gguf file), none otherwise")
+                        help="specdec targets' quantisation; auto (default): on the CPU for a GGUF source (the default "
+                             "model, a named model, a .gguf file) int4 where its layer weights are mostly 4-bit "
+                             "(Q4_K), else int8; none otherwise")
     parser.add_argument("--draft-model", metavar="PATH",
                         help="draft model for draft / hf-assist configurations (default: a named target's paired "
                              "draft model)")

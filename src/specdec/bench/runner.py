@@ -633,11 +633,11 @@ def _run_bench(settings: Settings, configs: list[BenchConfig], baselines: dict[s
             continue
         key = target_key(c, settings.dtype, settings.quantize, canon)
         if key not in targets:
-            log(f"loading the target {settings.model} ({key[0]}{', int8' if key[1] == 'int8' else ''})")
+            log(f"loading the target {settings.model} ({key[0]}{', ' + key[1] if key[1] != 'none' else ''})")
             targets[key] = Engine.load(settings.model, drafter="none", device=device, dtype=key[0], quantize=key[1],
                                        progress=_load_progress(log))
         base = targets[key]
-        described[c.label] = f"specdec {key[0]}" + (" int8" if key[1] == "int8" else "")
+        described[c.label] = f"specdec {key[0]}" + (f" {key[1]}" if key[1] != "none" else "")
         runners[c.label] = SpecdecRunner(c, base.model, base.tokenizer, _drafter_factory(c, base, drafts, log),
                                          device, settings.temperature)
     for c in configs:

@@ -60,8 +60,9 @@ def add_arguments(parser) -> None:
                              "int8) | float32 | bfloat16 | float16")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
-                        help="auto (default): int8 on the CPU when the weights come quantised (the default model, a "
-                             "named model, a .gguf file), else none")
+                        help="auto (default): on the CPU when the weights come quantised (the default model, a named "
+                             "model, a .gguf file), int4 where its layer weights are mostly 4-bit (Q4_K), else "
+                             "int8; none for float weights")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                         help="split the target over N processes (gloo on the CPU, NCCL on CUDA; README, Tensor "
                              "parallelism); the drafters run on rank 0; turns the prefix cache off (each rank "
