@@ -527,7 +527,8 @@ class BatchScheduler:
         prompt tokens this iteration, so they wait for one chunk at most; with none running (or
         chunking off), every admitted prompt whole. One prompt is prefilled at a time, in cache
         row len(_running); when its last chunk is in, it emits its first token and joins the
-        running rows where it already sits."""
+        running rows where it already sits. Except: admitted prompts that the prefix cache holds
+        all but the last token of go in together, one forward for all (`_prefill_cached`)."""
         budget = self.prefill_chunk if self.prefill_chunk and self._running else None
         while self._prefilling is not None or self._ready:
             if self._prefilling is None:
