@@ -792,7 +792,36 @@ class Engine:
             row.prompt_hidden.append(hidden[0])  # [end - start, hidden]
         if not final:
             return None
-        first = self._pick(logits[0], row)
+        return self._first_token(row, logits[0])
+
+    @torch.inference_mode()
+    def prefill_last(self, rows: list[Row], cache: KVCache) -> list[Emitted]:
+        """`prefill` for rows that each hold all of their prompt but its last token (a prefix cache
+        hit on a whole earlier prompt), in one forward: rows[r] lives in cache row r. What one
+        `prefill` per row gives, bit for bit: a one-token block scores each row by itself (the
+        decode step's batch-invariant products and attention), so rows arriving together share
+        each read of the weights instead of a one-row forward each.
+        """
+        for r, row in enumerate(rows):
+            if cache.length(r) != len(row.prompt) - 1 or (row.drafter is not None and row.drafter.needs.observes is not None):
+                raise ValueError("prefill_last: every row must hold its prompt but the last token, without a "
+                                 "drafter that observes the prompt")
+            row.started = row.started or time.perf_counter()
+        tokens = torch.tensor([[row.prompt[-1]] for row in rows], device=self.device)  # [n, 1]
+        positions = torch.tensor([[len(row.prompt) - 1] for row in rows], device=self.device)  # [n, 1]
+        logits, _ = self.model(tokens, positions, cache, last_n=1, need_hidden=False)  # [n, 1, vocab]
+        emitted = []
+        for r, row in enumerate(rows):
+            row.stats.target_forwards += 1
+            emitted.append(self._first_token(row, logits[r]))
+        return emitted
+
+    def _first_token(self, row: Row, logits: torch.Tensor) -> Emitted:
+        """The row's prompt is all in: emit its first token and begin its drafter. logits: [1, vocab]."""
+        ids = row.prompt
+        drafter = row.drafter
+        observes = drafter is not None and drafter.needs.observes is not None
+        first = self._pick(logits, row)
         row.stats.prefill_s = time.perf_counter() - row.started
         if row.steps is not None:
             row.steps.append(Step([], first, "prefill", 0))
@@ -809,7 +838,7 @@ class Engine:
         text = row.out.push(first)
         if row.grammar is not None:
             row.grammar.advance([first])
-        return Emitted([first], text, logits[0] if row.keep_logits else None)
+        return Emitted([first], text, logits if row.keep_logits else None)
 
     @torch.inference_mode()
     def step(self, rows: list[Row], cache: KVCache, cap: int | None = None) -> StepReport:
