@@ -268,3 +268,107 @@ def test_model_drafter_rows_draft_in_one_batched_forward(pair, plain, monkeypatc
         assert batched == drafted[(id(alone), tuple(p))] and any(batched)
     pool = loaded._pool
     assert sorted(pool.free) == list(range(6)) and int(pool.cache.lengths.sum()) == 0  # every row handed back
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "eagle"])
+def test_lookup_first_rows_join_the_batched_forward(pair, plain, monkeypatch, kind):
+    """ngram+LEARNED rows whose lookup finds nothing draft with the learned part in the step's one
+    batched forward per draft position: in a step where four or more rows draft that way, the
+    draft model (EAGLE head) is fed draft tokens at most k - 1 times, each time over all of those
+    rows at once (row by row, each row would be fed alone, one row wide). A request's first
+    proposal reads its prompt on its own row (a long catch-up), which is not a draft position."""
+    from specdec.drafters.combined import LEARNED
+
+    counted = pair["draft"] if kind == "draft_model" else pair["head"].head
+    forwards = []  # (rows, tokens) of each forward of the counted module
+    real_forward = counted.forward
+
+    def counting_forward(x, *args, **kwargs):
+        forwards.append(tuple(x.shape[:2]))
+        return real_forward(x, *args, **kwargs)
+
+    monkeypatch.setattr(counted, "forward", counting_forward)
+    sources, steps = [], []  # steps: (the step's forwards, rows that drafted with the learned part)
+    real_draft, real_step = Engine._draft, Engine.step
+
+    def recording_draft(self, row, plan, made):
+        out = real_draft(self, row, plan, made)
+        sources.append(out[2])
+        return out
+
+    def recording_step(self, rows, cache, cap=None):
+        before = len(forwards)
+        sources.clear()
+        report = real_step(self, rows, cache, cap)
+        steps.append((forwards[before:], sum(s == LEARNED for s in sources)))
+        return report
+
+    monkeypatch.setattr(Engine, "_draft", recording_draft)
+    monkeypatch.setattr(Engine, "step", recording_step)
+    name = f"ngram+{kind}"
+    k = 3
+    sched = BatchScheduler(pair["target"], None, drafter=name, drafters={name: drafters(pair)[name]},
+                           num_speculative_tokens=k, max_batch=6, max_model_len=256, spec_token_budget=64,
+                           adaptive=False).start()
+    # Prompts without repeats: lookup finds little, so most rows fall back to the learned part.
+    ps = [torch.randint(3, V, (8 + i,), generator=torch.Generator().manual_seed(100 + i)).tolist() for i in range(8)]
+    outs = [h.result() for h in [sched.submit(Request(p, 10)) for p in ps]]
+    sched.shutdown()
+    monkeypatch.undo()
+    assert [o.token_ids for o in outs] == [plain(p, 10) for p in ps]
+    crowded = [(f, learned) for f, learned in steps if learned >= 4]
+    assert crowded, steps
+    for f, learned in crowded:
+        feeds = [rows for rows, tokens in f if tokens == 1]  # one draft token a row: a draft position
+        assert feeds and len(feeds) <= k - 1 and all(rows >= learned for rows in feeds), (f, learned)
+
+
+def test_server_draft_tree(pair, monkeypatch, capsys):
+    """`serve --draft-tree`: ngram rows draft token trees in the server's batches, beside chain rows
+    (suffix), each greedy output equal to the same request alone; a drafter that cannot draft trees
+    or a malformed shape is one error line before anything loads."""
+    from specdec.cli import main as cli_main
+    from specdec.verify import TokenTree
+
+    engine = Engine(pair["target"], loader_tokenizer(pair["folder"]))
+    settings = ts.ServerSettings(model=str(pair["folder"]), served_model_name="tiny", drafter="ngram",
+                                 num_speculative_tokens=3, max_batch=8, max_model_len=256, dtype="float32",
+                                 speculation_control="budget", spec_token_budget=64, draft_tree="3x2x6")
+    trees = []
+    real_plan = Engine._plan
+
+    def recording_plan(self, row, cap):
+        plan = real_plan(self, row, cap)
+        if isinstance(plan, TokenTree) and not plan.is_chain:
+            trees.append(len(plan))
+        return plan
+
+    monkeypatch.setattr(Engine, "_plan", recording_plan)
+    app = ts.create_app(settings, load=lambda s: (engine.model, engine.tokenizer))
+    srv = ts.ThreadServer(app).start()
+    try:
+        texts = [f"{'abcdefgh'[i % 8]}{'xyz'[i % 3]} abc abc {i} abc abc" for i in range(8)]
+        refs = [engine.generate(prompt=t, max_new_tokens=12).text for t in texts]
+
+        async def all_streams():
+            client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+            async def one(i, t):
+                extra = {"speculative": {"drafter": "suffix"}} if i % 2 else {}
+                out = await client.completions.create(model="tiny", prompt=t, max_tokens=12, temperature=0,
+                                                      extra_body=extra)
+                return out.choices[0].text
+
+            return await asyncio.gather(*(one(i, t) for i, t in enumerate(texts)))
+
+        assert asyncio.run(all_streams()) == refs
+        assert app.state.specdec.scheduler.draft_trees == {"ngram": TREE}  # suffix drafts no trees: chains
+        assert trees and max(trees) > 3  # real trees (more nodes than the depth) were drafted
+    finally:
+        srv.stop()
+    for argv, fragment in ((["--drafter", "suffix", "--draft-tree", "3x2x6"], "cannot propose draft trees"),
+                           (["--draft-tree", "3x2"], "DEPTHxTOPKxBUDGET")):
+        capsys.readouterr()
+        assert cli_main(["serve", "--model", str(pair["folder"]), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and fragment in err

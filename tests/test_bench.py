@@ -341,6 +341,61 @@ def test_draft_model_configs_share_one_loaded_draft(tiny, capsys):
     assert summary[("hf-assist:k=3", "all")]["identical"] == 2
 
 
+def test_ref_configurations_run_another_tree_in_a_worker(tiny, capsys):
+    """ref@ pointed at this very tree: the worker must import it (not fail), give the same greedy
+    tokens as this tree's configurations, count its drafts, and get the new / reference table."""
+    from pathlib import Path
+
+    import specdec
+
+    tmp, folder, prompts = tiny
+    src = Path(specdec.__file__).parent.parent
+    out_json = tmp / "ref.json"
+    code = main(["bench", "--model", str(folder), "--configs", "plain,ngram:k=3,ref@plain,ref@ngram:k=3,this@ngram:k=3",
+                 "--ref-src", str(src), "--tasks", "none", "--prompts", str(prompts), "--max-tokens", "12",
+                 "--repeats", "2", "--no-progress", "--json", str(out_json), "--clock", "cpu"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    data = json.loads(out_json.read_text())
+    labels = ["plain", "ngram:k=3", "ref@plain", "ref@ngram:k=3", "this@ngram:k=3"]
+    assert [c["label"] for c in data["configs"]] == labels
+    assert {c["label"]: c["family"] for c in data["configs"]}["ref@ngram:k=3"] == "worker"
+    assert {c["label"]: c["baseline"] for c in data["configs"]}["ref@ngram:k=3"] == "plain"
+    # The worker imported the tree it was given.
+    assert {c["label"]: c["runs_on"] for c in data["configs"]}["ref@plain"].startswith(str(src / "specdec"))
+    runs = {(r["config"], r["prompt_id"], r["repeat"]): r for r in data["runs"]}
+    assert len(runs) == 5 * 2 * 2
+    for (label, pid, rep), r in runs.items():
+        assert r["token_ids"] == runs[("plain", pid, rep)]["token_ids"] and r["wall_s"] > 0
+        if label != "plain":
+            assert r["identical"] is True
+    ref_ngram = [r for (label, _, _), r in runs.items() if label == "ref@ngram:k=3"]
+    assert sum(r["draft_tokens"] for r in ref_ngram) > 0 and all(r["target_forwards"] < 12 for r in ref_ngram)
+    versus = {v["ref"]: v for v in data["versus_reference"]}
+    assert set(versus) == {"ref@plain", "ref@ngram:k=3"}
+    assert versus["ref@plain"]["config"] == "plain"  # no this@plain: the in-process one
+    v = versus["ref@ngram:k=3"]  # its this@ twin, measured alike
+    assert v["config"] == "this@ngram:k=3" and v["identical"] == v["compared"] == 4 and v["ratio"] > 0
+    assert v["interval"][0] <= v["ratio"] <= v["interval"][1]
+    assert "| `this@ngram:k=3` | `ref@ngram:k=3` |" in captured.out and "--ref-src" in data["command"]
+    assert "--clock cpu" in data["command"] and "CPU time of the process" in captured.out
+    # Wall-clock parts are not mixed into CPU-time figures.
+    assert all(s["step_cost"] is None and s["bound"] is None for s in data["summary"])
+    assert "ref@plain" not in data["headline"]["vs_peers"]
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--configs", "ref@plain"], "need --ref-src"),
+    (["--configs", "ref@plain", "--ref-src", "/nonexistent"], "no specdec package there"),
+    (["--configs", "ref@hf"], "ref@ takes a specdec configuration"),
+    (["--configs", "ref@ngram:max_ngram=3", "--ref-src", "."], "max_ngram cannot be passed"),
+])
+def test_ref_configuration_errors(extra, fragment, capsys):
+    assert main(["bench", "--tasks", "code", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and fragment in err
+
+
 def test_lookup_drafters_are_fresh_each_pass(tiny):
     from specdec.bench.runner import SpecdecRunner
     from specdec.engine import Engine

@@ -22,12 +22,22 @@ def chat_folder(tmp_path_factory):
 
 
 def test_quantize_auto_is_int8_on_the_cpu_for_quantised_sources(monkeypatch):
-    from specdec.models import quant
+    from specdec.models import cpu_kernels, quant
 
     monkeypatch.setattr(quant, "cpu_int8_available", lambda: True)
-    for source in ("default", "qwen2.5-coder-1.5b-instruct", "/models/x.gguf", "/models/X.GGUF"):
+    monkeypatch.setattr(cpu_kernels, "load", lambda: object())  # int4 needs the compiled kernels
+    # Gemma 3 270M's Q4_K_M file holds its layers mostly on Q5_0 / Q6_K (640-wide rows are not whole
+    # Q4_K blocks), the 0.5B draft's mostly on Q5_0; a path that is not there reads as unknown.
+    for source in ("default", "qwen2.5-coder-0.5b-instruct", "/models/x.gguf", "/models/X.GGUF"):
         assert resolve_quantize("auto", "cpu", source) == "int8", source
         assert resolve_quantize("auto", "cuda", source) == "none", source  # int8 runs on the CPU only
+    assert resolve_quantize("auto", "cpu", "qwen2.5-coder-1.5b-instruct") == "int4"  # Q4_K layers
+    from specdec.models.gguf_file import layer_weight_bits
+    from specdec.models.loader import DEFAULT_MODEL_LAYER_BITS, default_model_path
+
+    assert layer_weight_bits(default_model_path()) == DEFAULT_MODEL_LAYER_BITS  # the pinned figure holds
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    assert resolve_quantize("auto", "cpu", "qwen2.5-coder-1.5b-instruct") == "int8"  # no kernels: int8
     assert resolve_quantize("auto", "cpu", "/models/hf-folder") == "none"  # float weights stay as they are
     for asked in ("none", "int8"):
         assert resolve_quantize(asked, "cpu", "default") == asked  # named: kept
@@ -42,6 +52,10 @@ def test_drafter_auto_is_lookup_or_the_presets_pair():
     assert resolve_drafter("auto", "qwen2.5-coder-1.5b-instruct", 0.0) == ("qwen2.5-coder-0.5b-instruct", 0.0)
     assert resolve_drafter("auto", "qwen2.5-coder-0.5b-instruct") == ("ngram", None)  # no pair of its own
     assert resolve_drafter("none", "qwen2.5-coder-1.5b-instruct") == ("none", None)
+    from specdec.engine import pair_draft_vocab
+
+    assert pair_draft_vocab("qwen2.5-coder-1.5b-instruct") == 32768  # the pair's measured best
+    assert pair_draft_vocab("default") is None and pair_draft_vocab("qwen2.5-coder-0.5b-instruct") is None
 
 
 def test_engine_load_defaults_on_a_float_folder(chat_folder):
@@ -157,3 +171,52 @@ sys.stderr.write("encoded   12 tokens in    0.250 seconds, speed:   48.000 t/s\\
     fake.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
     with pytest.raises(Exception, match="llama-speculative failed \\(exit 3\\): broken"):
         runner.generate(ids, 18)
+
+
+def _gguf_with_layers(path, types):
+    """A header-valid GGUF whose decoder layers hold one 2-D tensor per (name, ggml type, rows)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    rng = np.random.default_rng(0)
+    for name, kind, rows in types:
+        array = rng.standard_normal((rows, 64)).astype(np.float32)
+        if kind == "F32":
+            w.add_tensor(name, array)
+        else:
+            q = gguf.quants.quantize(array, getattr(gguf.GGMLQuantizationType, kind))
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_layer_weight_bits_reads_the_majority_of_the_layer_weights(tmp_path, monkeypatch):
+    from specdec.models import cpu_kernels, quant
+    from specdec.models.gguf_file import layer_weight_bits
+
+    four = _gguf_with_layers(tmp_path / "q4.gguf", [("blk.0.ffn_up.weight", "Q4_0", 8),
+                                                   ("blk.0.attn_v.weight", "Q8_0", 4),
+                                                   ("token_embd.weight", "Q8_0", 64)])  # not a layer
+    eight = _gguf_with_layers(tmp_path / "q8.gguf", [("blk.0.ffn_up.weight", "Q4_0", 4),
+                                                    ("blk.0.ffn_down.weight", "Q5_0", 8)])
+    floats = _gguf_with_layers(tmp_path / "f.gguf", [("blk.0.ffn_up.weight", "F32", 8),
+                                                    ("blk.0.attn_v.weight", "Q4_0", 4)])
+    assert (layer_weight_bits(four), layer_weight_bits(eight), layer_weight_bits(floats)) == (4, 8, None)
+    monkeypatch.setattr(quant, "cpu_int8_available", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: object())
+    assert [resolve_quantize("auto", "cpu", str(p)) for p in (four, eight)] == ["int4", "int8"]
+
+
+def test_the_presets_pinned_layer_bits_match_their_files_where_assembled():
+    from specdec.models import presets
+    from specdec.models.gguf_file import layer_weight_bits
+
+    found = [p for p in presets.PRESETS.values() if presets.cached_path(p).is_file()]
+    if not found:
+        pytest.skip("no preset assembled here (make qwen-coder)")
+    for p in found:
+        assert layer_weight_bits(presets.cached_path(p)) == p.layer_bits, p.name

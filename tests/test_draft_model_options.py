@@ -121,3 +121,60 @@ def test_measure_cost_times_both_models(llama):
     drafter = DraftModelDrafter(noisy_copy(llama, 0.1, 1), V)
     cost = drafter.measure_cost(llama, context=8, repeats=3)
     assert cost == drafter.draft_cost and 0.05 < cost < 20  # the same architecture: about 1
+
+
+def _kernels_or_skip():
+    from specdec.models import cpu_kernels
+
+    if not cpu_int8_available() or cpu_kernels.load() is None:
+        pytest.skip("int4 needs the int8 backend and the compiled kernels")
+
+
+def test_draft_quantize_auto_follows_the_target(llama):
+    from specdec.engine import draft_quantize_for
+
+    _kernels_or_skip()
+    assert draft_quantize_for(None, llama) == "none"
+    for mode in ("int8", "int4"):
+        target = quantize_model(noisy_copy(llama, 0.0, 0), mode)
+        assert draft_quantize_for("auto", target) == mode  # an int4 target gets an int4 draft
+        assert draft_quantize_for("int8", target) == "int8"  # set on its own
+
+
+@pytest.mark.parametrize("vocab", [None, 40])
+def test_an_int4_draft_scores_with_a_4_bit_head_and_stays_exact(llama, vocab):
+    from specdec.models.quant import Int4Linear
+
+    _kernels_or_skip()
+    draft = quantize_model(noisy_copy(llama, 0.2, 3), "int4")  # head int8, layers 4-bit
+    drafter = DraftModelDrafter(draft, V, vocab=vocab)
+    assert isinstance(drafter._sub_head, Int4Linear)  # the draft's own head on 4 bits too
+    kept = torch.arange(V) if vocab is None else drafter.vocab_ids
+    assert drafter._sub_head.out_features == len(kept)
+    # Its scores are the int8 head's rows on a 4-bit grid: close, not equal.
+    ids = prompts(1, 12)[0]
+    exact = DraftModelDrafter(draft, V, vocab=vocab, int4_head=False)
+    for d in (drafter, exact):
+        d.begin(ids)
+    a, b = drafter._sync(ids), exact._sync(ids)
+    torch.testing.assert_close(a[kept], b[kept], rtol=0, atol=0.1 * float(b[kept].abs().max()))
+    engine = Engine(llama, None, drafter=drafter, num_speculative_tokens=4, draft_length="fixed")
+    plain = Engine(llama, None)
+    drafted = 0
+    for ids in prompts(3):
+        out = engine.generate(prompt_ids=ids, max_new_tokens=24)
+        assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=24).token_ids
+        drafted += out.stats.draft_tokens
+    assert drafted > 0
+
+
+def test_the_cost_rule_prices_verify_passes_by_the_targets_quantisation(llama):
+    from specdec.policy import DEFAULT_VERIFY_COSTS, hardware_kind, row_rule
+
+    _kernels_or_skip()
+    assert hardware_kind(llama) == "cpu"
+    for mode in ("int8", "int4"):
+        target = quantize_model(noisy_copy(llama, 0.0, 0), mode)
+        assert hardware_kind(target) == f"cpu-{mode}"
+        rule = row_rule("cost", 5, model=target)
+        assert (rule.verify_overhead, rule.verify_cost) == DEFAULT_VERIFY_COSTS[f"cpu-{mode}"]

@@ -125,14 +125,48 @@ def test_engine_load_rejects_bad_speculation_options_before_the_model(kwargs, ne
 
 
 def test_quantize_is_checked_against_the_device():
-    # What Engine.load and `specdec serve` check before any load (serve before binding its port).
-    from specdec.engine import check_quantize
+    # What Engine.load and `specdec serve` check before any load (serve before binding its port),
+    # in the one settings object.
+    from specdec.settings import DecodingSettings
 
-    check_quantize("none", "cuda")
+    DecodingSettings(quantize="none", device="cuda")
     with pytest.raises(InvalidRequestError, match="needs the CPU"):
-        check_quantize("int8", "cuda")
+        DecodingSettings(quantize="int8", device="cuda")
     with pytest.raises(InvalidRequestError, match="unknown quantize"):
-        check_quantize("int3", "cpu")
+        DecodingSettings(quantize="int3")
+    with pytest.raises(InvalidRequestError, match="unknown draft_quantize"):
+        DecodingSettings(draft_quantize="int3")
+
+
+def test_decoding_settings_are_validated_once_and_frozen(tiny_models):
+    import dataclasses
+
+    from specdec.drafters.base import TreeShape
+    from specdec.settings import DecodingSettings
+
+    s = DecodingSettings(draft_tree="3x2x6")
+    assert s.draft_tree == TreeShape(3, 2, 6) and s.draft_length == "fixed"  # a tree has a fixed shape
+    assert DecodingSettings().draft_length == "cost"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.num_speculative_tokens = 3
+    for kwargs, needle in (({"num_speculative_tokens": 0}, "num_speculative_tokens must be >= 1"),
+                           ({"draft_length": "greedy"}, "draft_length must be one of"),
+                           ({"draft_tree": "3x2x6", "draft_length": "adaptive"}, "a draft tree has a fixed shape"),
+                           ({"verify_cost": 0}, "verify_cost must be a number in"),
+                           ({"verify_overhead": -1}, "verify_overhead must be a number in"),
+                           ({"draft_p_min": 2}, "draft_p_min must be a number in"),
+                           ({"draft_vocab": -1}, "draft vocabulary must be")):
+        with pytest.raises(InvalidRequestError, match=needle):
+            DecodingSettings(**kwargs)
+    # The engine keeps the object it was given (Engine.load builds it once, before the load), and
+    # validates its keywords through the same object.
+    from specdec import Engine
+
+    engine_settings = DecodingSettings(num_speculative_tokens=3)
+    engine = Engine(tiny_models["llama"]["target"], None, settings=engine_settings)
+    assert engine.settings is engine_settings and engine.k == 3 and engine.draft_length == "cost"
+    with pytest.raises(InvalidRequestError, match="num_speculative_tokens must be >= 1"):
+        Engine(tiny_models["llama"]["target"], None, num_speculative_tokens=0)
 
 
 def test_auto_dtype_of_an_int8_cpu_model_is_float32(monkeypatch):

@@ -86,6 +86,22 @@ def test_prefix_cache_same_greedy_output_including_after_eviction(tiny, with_dra
     assert outs[0] == expected
 
 
+def test_requests_arriving_together_share_their_system_prompt(tiny):
+    """The prompt is stored right after its prefill, not when its request finishes: of four
+    requests submitted together with one system prompt, the three prefilled after the first copy
+    its prefix; greedy output is that of plain decoding."""
+    target, _ = tiny
+    system = ids(40, 3)
+    prompts = [system + ids(5 + i, 50 + i) for i in range(4)]
+    sched = BatchScheduler(target, None, drafter="none", max_batch=4, max_model_len=160, prefix_cache_tokens=400)
+    outs = drive(sched, [sched.submit(Request(p, 6)) for p in prompts])
+    plain = Engine(target, None)
+    assert outs == [plain.generate(prompt_ids=p, max_new_tokens=6).token_ids for p in prompts]
+    stats = sched.prefix_cache.stats
+    assert stats.hits == 3 and stats.hit_tokens == 3 * 40
+    assert sched.counters.prompt_tokens_cached == 3 * 40
+
+
 def test_prefix_cache_lookup_and_eviction(tiny):
     target, _ = tiny
     cache = target.new_cache(1, 64)
@@ -200,3 +216,31 @@ def test_eagle_rows_chunked_and_next_to_the_prefix_cache(tiny):
                                            for p in prompts]
     assert sum(o.stats.draft_tokens for o in outs[1::2]) > 0
     assert 0 < sched.counters.prompt_tokens_cached <= 2 * len(system)  # only the "none" rows after the first
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_prompts_cached_but_their_last_token_share_one_prefill(tiny, drafter):
+    """Repeated prompts (each all in the prefix cache but its last token) arriving together are
+    prefilled in one forward (`Engine.prefill_last`), with nothing running and next to running
+    rows; a prompt that misses the cache in their midst takes the one-row prefill. Greedy output
+    is plain decoding's."""
+    target, _ = tiny
+    plain = Engine(target, None)
+    prompts = [ids(20 + 3 * i, 70 + i) for i in range(6)]
+    lengths = [5, 9, 4, 7, 6, 8]
+    sched = BatchScheduler(target, None, drafter=drafter, num_speculative_tokens=2, max_batch=4,
+                           max_model_len=96, prefill_chunk=64, prefix_cache_tokens=1000)
+    first = drive(sched, [sched.submit(Request(p, n)) for p, n in zip(prompts, lengths)])
+    forwards = sched.counters.prefill_forwards
+    assert forwards >= len(prompts)  # nothing was cached yet: a prefill (or chunks) each
+    again = prompts[:3] + [ids(25, 90)] + prompts[3:]  # a miss in the middle
+    again_lengths = lengths[:3] + [6] + lengths[3:]
+    second = drive(sched, [sched.submit(Request(p, n)) for p, n in zip(again, again_lengths)])
+    refs = [plain.generate(prompt_ids=p, max_new_tokens=n).token_ids for p, n in zip(again, again_lengths)]
+    assert first == refs[:3] + refs[4:]
+    assert second == refs
+    # 7 prompts in fewer forwards: the first three hits share one, the miss has its own, and the
+    # later hits are admitted together as rows leave.
+    assert sched.counters.prefill_forwards - forwards < len(again) - 1
+    assert sched.counters.prompt_tokens_cached == sum(len(p) - 1 for p in prompts)
+    assert sched.num_running == 0 and int(sched.cache.lengths.sum()) == 0

@@ -40,14 +40,17 @@ def _parser() -> argparse.ArgumentParser:
                      help="int8: int8 weights for every linear and the output head, activations on two "
                           "7-bit planes per row (CPU, fbgemm); changes the target, plain and "
                           "speculative then share it; int4: the decoder layers' weights on 4 bits in "
-                          "groups of 32 (head int8), 5/8 of int8's bytes. auto (default): int8 on the CPU "
-                          "when the weights come quantised already (the default model, a named model, a "
-                          ".gguf file), else none")
+                          "groups of 32 (head int8), 5/8 of int8's bytes. auto (default), on the CPU when the "
+                          "weights come quantised already (the default model, a named model, a .gguf file): "
+                          "int4 where most layer weights are 4-bit (Q4_K: int4 keeps their grid, as faithful "
+                          "to llama.cpp as int8 and faster), else int8; none for float weights")
     gen.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8", "int4"],
-                     help="the draft model's quantisation (auto, the default: the target's)")
+                     help="the draft model's quantisation (auto, the default: the target's). A 4-bit draft also "
+                          "scores with a 4-bit copy of its head; a draft's numbers only move its acceptance")
     gen.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                     help="the draft model scores only its N most frequent ids (FR-Spec; 0 = all); lossless, "
-                          "the target still verifies over its full vocabulary")
+                     help="the draft model scores only its N most frequent ids (FR-Spec: the first N and the special "
+                          "ones; 0 = all); lossless, the target still verifies over its full vocabulary. "
+                          "Default: all, or the pair's 32768 under --drafter auto with a named target")
     gen.add_argument("-k", "--num-speculative-tokens", type=int, default=5,
                      help="draft tokens per step (the most, with --draft-length cost)")
     gen.add_argument("--draft-length", default=None, choices=["fixed", "adaptive", "cost"],

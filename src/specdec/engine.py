@@ -39,6 +39,7 @@ from .errors import InvalidRequestError, SpecdecError
 from .models import loader
 from .models.kv_cache import KVCache
 from .models.transformer import Transformer
+from .settings import DecodingSettings
 from .sampling import SamplingParams, adjust_logits, greedy_tokens, make_generator, process_logits, sample
 from .tokenizer import Detokenizer, Tokenizer
 from .verify import TokenTree, TreeVerdict, first_proven_rejection, verify_greedy, verify_greedy_rows, \
@@ -116,10 +117,8 @@ def make_drafter(name: str, target: Transformer | None = None, target_tokenizer:
     `draft_vocab` N > 0: the draft model scores only its N most frequent ids (FR-Spec; see
     `drafters/draft_model.py`), still lossless.
     """
-    from .drafters.draft_model import DEFAULT_DRAFT_P_MIN, DraftModelDrafter, check_draft_p_min
+    from .drafters.draft_model import DEFAULT_DRAFT_P_MIN, DraftModelDrafter
 
-    if draft_p_min is not None:
-        check_draft_p_min(draft_p_min)
     if (parts := split_name(name)) is not None:
         draft_model_path(name)  # the learned part must be one
         learned = make_drafter(parts[1], target, target_tokenizer, draft_p_min, progress, draft_quantize, draft_vocab)
@@ -174,12 +173,12 @@ def _parallel_target(folder, dtype: torch.dtype, device: str, quantize: str, wor
 
 
 def draft_quantize_for(draft_quantize: str | None, target: Transformer) -> str:
-    """The draft model's quantisation: as asked, or ("auto" / None) the target's."""
-    from .models.quant import Int8Linear
+    """The draft model's quantisation: as asked (checked by `DecodingSettings`), or ("auto" / None)
+    the target's (int8, int4 or none)."""
+    from .models.quant import quantize_of
 
     if draft_quantize in (None, "auto"):
-        return "int8" if isinstance(target.lm_head, Int8Linear) else "none"
-    check_quantize(draft_quantize, str(target.embed_tokens.weight.device.type))
+        return quantize_of(target)
     return draft_quantize
 
 
@@ -190,15 +189,41 @@ def source_is_quantised(target: str) -> bool:
     return str(target) == "default" or presets.is_preset(str(target)) or str(target).lower().endswith(".gguf")
 
 
+def source_layer_bits(target: str) -> int | None:
+    """Bits of most of a quantised source's decoder-layer weights (`gguf_file.layer_weight_bits`):
+    the figure pinned for the default model and the presets (finding the default's file hashes it),
+    else read from the GGUF header; None where unknown (a missing file: the load reports it)."""
+    from .models import presets
+    from .models.gguf_file import layer_weight_bits
+    from .models.loader import DEFAULT_MODEL_LAYER_BITS
+
+    if str(target) == "default":
+        return DEFAULT_MODEL_LAYER_BITS
+    if presets.is_preset(str(target)):
+        return presets.get(str(target)).layer_bits
+    try:
+        return layer_weight_bits(Path(target).expanduser())
+    except (SpecdecError, OSError):
+        return None
+
+
 def resolve_quantize(quantize: str, device: str, target: str) -> str:
-    """"auto" -> int8 on the CPU (where the int8 products are available) when the source weights
-    are already quantised (a GGUF's 4-6 bit blocks: int8 keeps more than they hold, and runs ~5x
-    faster than bfloat16 here), else none (float weights are kept as they are)."""
+    """"auto" -> on the CPU (where the int8 products are available), for a source whose weights are
+    already quantised: int4 when most of its layer weights are 4-bit (a Q4_K file: the int4 path
+    keeps their grid, reads 5/8 of int8's bytes, and measured as faithful to llama.cpp on the same
+    file as int8; README, Quantisation), where the compiled kernels are built; else int8 (a GGUF's
+    5-8 bit blocks: int8 keeps more than they hold, and runs ~5x faster than bfloat16 here). Float
+    weights are kept as they are (none)."""
+    from .models import cpu_kernels
     from .models.quant import cpu_int8_available
 
     if quantize != "auto":
         return quantize
-    return "int8" if device == "cpu" and cpu_int8_available() and source_is_quantised(target) else "none"
+    if device != "cpu" or not cpu_int8_available() or not source_is_quantised(target):
+        return "none"
+    if source_layer_bits(target) == 4 and cpu_kernels.load() is not None:
+        return "int4"
+    return "int8"
 
 
 def resolve_drafter(drafter: str, target: str, draft_p_min: float | None = None) -> tuple[str, float | None]:
@@ -215,37 +240,28 @@ def resolve_drafter(drafter: str, target: str, draft_p_min: float | None = None)
     return "ngram", draft_p_min
 
 
+def check_tree_drafter(name: str) -> None:
+    """A drafter name (before anything loads) that can draft token trees: ngram, eagle[:DIR],
+    ngram+eagle[:DIR]; else the one-line error."""
+    parts = split_name(name)
+    if not (name == "ngram" or is_eagle_name(name) or (parts is not None and parts[0] == "ngram"
+                                                       and is_eagle_name(parts[1]))):
+        raise _no_trees(name)
+
+
+def pair_draft_vocab(target: str) -> int | None:
+    """The reduced draft vocabulary of a preset target's paired draft model under `drafter="auto"`
+    (None: all ids): measured the pair's best lossless setting (BENCHMARKS.md)."""
+    from .models import presets
+
+    if presets.is_preset(str(target)) and (pair := presets.get(str(target))).draft:
+        return pair.draft_vocab
+    return None
+
+
 def _no_trees(name: str) -> InvalidRequestError:
     return InvalidRequestError(f"drafter {name!r} cannot propose draft trees; eagle, ngram and ngram+eagle can",
                                "draft_tree")
-
-
-def check_quantize(quantize: str, device: str) -> None:
-    """`quantize` on a resolved device: int8 and int4 run on the CPU (int4 with the compiled kernels)."""
-    from .models.quant import QUANT_MODES, cpu_int8_available
-
-    if quantize not in QUANT_MODES:
-        raise InvalidRequestError(f"unknown quantize {quantize!r}; choose {' or '.join(QUANT_MODES)}", "quantize")
-    if quantize != "none" and (device != "cpu" or not cpu_int8_available()):
-        raise InvalidRequestError(f"quantize={quantize} needs the CPU with PyTorch's fbgemm backend", "quantize")
-    if quantize == "int4":
-        from .models import cpu_kernels
-
-        if cpu_kernels.load() is None:  # int4 has no PyTorch fallback
-            raise InvalidRequestError("quantize=int4 needs specdec's compiled CPU kernels, which did not build "
-                                      "here (a C++ compiler and ninja are needed)", "quantize")
-
-
-def check_speculation(num_speculative_tokens: int, draft_length: str, tree, verify_cost: float | None,
-                      verify_overhead: float | None) -> None:
-    """The speculation options that need no model: `Engine.load` checks them before the slow load,
-    the constructor again for engines built around a loaded model."""
-    if num_speculative_tokens < 1:
-        raise InvalidRequestError("num_speculative_tokens must be >= 1", "num_speculative_tokens")
-    policy.check_draft_length(draft_length, verify_cost, verify_overhead)
-    if tree is not None and draft_length != "fixed":
-        raise InvalidRequestError(f"draft_length {draft_length!r} moves a chain's length; a draft tree "
-                                  "has a fixed shape", "draft_length")
 
 
 @dataclass
@@ -473,19 +489,24 @@ class Engine:
         verify_cost: float | None = None,
         verify_overhead: float | None = None,
         screen_verify: bool = True,
+        settings: DecodingSettings | None = None,
     ):
-        tree = TreeShape.parse(draft_tree) if isinstance(draft_tree, str) else draft_tree
-        draft_length = policy.default_draft_length(draft_length, tree)
-        check_speculation(num_speculative_tokens, draft_length, tree, verify_cost, verify_overhead)
+        # `settings` (from Engine.load, validated there) or the keywords, validated here, once.
+        if settings is None:
+            settings = DecodingSettings(num_speculative_tokens=num_speculative_tokens, draft_length=draft_length,
+                                        draft_tree=draft_tree, verify_cost=verify_cost,
+                                        verify_overhead=verify_overhead)
+        tree = settings.draft_tree
         if tree is not None and (drafter is None or not drafter.needs.trees):
             raise _no_trees(drafter.name if drafter is not None else "none")
+        self.settings = settings
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
-        self.k = num_speculative_tokens
-        self.draft_length = draft_length
+        self.k = settings.num_speculative_tokens
+        self.draft_length = settings.draft_length
         self.draft_tree: TreeShape | None = tree
-        self.verify_cost, self.verify_overhead = verify_cost, verify_overhead
+        self.verify_cost, self.verify_overhead = settings.verify_cost, settings.verify_overhead
         # Greedy chains on a target whose head can score chosen columns exactly (int8 on the CPU)
         # are verified with the head's full product only up to the first certain rejection.
         self.screen_verify = screen_verify and self._head_columns_exact()
@@ -526,35 +547,32 @@ class Engine:
         `quantize="int8"` replaces the target's linear layers and output head by int8 weight-only
         versions (CPU only; see `models/quant.py`). That changes the target model itself, so plain
         and speculative decoding are compared on the same quantised target. "auto" (the default)
-        is int8 on the CPU for a source that is already quantised (`resolve_quantize`).
+        is, on the CPU for a source that is already quantised, int4 where most of its layer
+        weights are 4-bit and int8 otherwise (`resolve_quantize`).
 
         `drafter="auto"` (the default) is prompt lookup, or for a preset target with a paired draft
-        model, that draft model (`resolve_drafter`). `draft_quantize` sets the
+        model, that draft model (`resolve_drafter`) with the pair's reduced vocabulary unless
+        `draft_vocab` is given (`pair_draft_vocab`). `draft_quantize` sets the
         draft model's quantisation (default: the target's).
         """
         device = resolve_device(device)
         quantize = resolve_quantize(quantize, device, target)
+        if drafter == "auto" and draft_vocab is None:
+            draft_vocab = pair_draft_vocab(target)
         drafter, draft_p_min = resolve_drafter(drafter, target, draft_p_min)
         check_tensor_parallel(tensor_parallel, device, drafter)
-        if draft_quantize not in (None, "auto"):
-            check_quantize(draft_quantize, device)
-        from .drafters.draft_model import check_vocab
-
-        check_vocab(draft_vocab)
-        if isinstance(draft_tree, str):
-            draft_tree = TreeShape.parse(draft_tree)  # a malformed shape fails before the load
-        draft_length = policy.default_draft_length(draft_length, draft_tree)
-        check_speculation(num_speculative_tokens, draft_length, draft_tree, verify_cost, verify_overhead)
+        # Every option, validated once, before the slow target load.
+        settings = DecodingSettings(quantize=quantize, device=device, num_speculative_tokens=num_speculative_tokens,
+                                    draft_length=draft_length, draft_tree=draft_tree, verify_cost=verify_cost,
+                                    verify_overhead=verify_overhead, draft_p_min=draft_p_min,
+                                    draft_quantize=draft_quantize, draft_vocab=draft_vocab)
         torch_dtype = resolve_dtype(dtype, device, quantize)
-        check_quantize(quantize, device)
         # A bad drafter name or option fails before the slow target load; a draft model is loaded
         # after the target, whose vocabulary, device and dtype it takes.
         draft_path = draft_model_path(drafter)
         made = None if draft_path else make_drafter(drafter, draft_p_min=draft_p_min)
-        parts = split_name(drafter)
-        tree_names = is_eagle_name(drafter) or (parts is not None and parts[0] == "ngram" and is_eagle_name(parts[1]))
-        if draft_tree is not None and not tree_names and (made is None or not made.needs.trees):
-            raise _no_trees(drafter)
+        if settings.draft_tree is not None:
+            check_tree_drafter(drafter)
         # The tokenizer first: reading Gemma's 262k-token vocabulary peaks at ~0.5 GB of parser
         # temporaries, which are handed back before the weights arrive rather than on top of them.
         folder = loader.resolve(target, progress)
@@ -572,9 +590,7 @@ class Engine:
         if draft_path:
             made = make_drafter(drafter, model, tokenizer, draft_p_min, progress, draft_quantize=draft_quantize,
                                  draft_vocab=draft_vocab)
-        return cls(model, tokenizer, drafter=made, num_speculative_tokens=num_speculative_tokens,
-                   draft_length=draft_length, draft_tree=draft_tree, verify_cost=verify_cost,
-                   verify_overhead=verify_overhead, screen_verify=screen_verify)
+        return cls(model, tokenizer, drafter=made, screen_verify=screen_verify, settings=settings)
 
     @property
     def device(self) -> torch.device:
@@ -776,7 +792,36 @@ class Engine:
             row.prompt_hidden.append(hidden[0])  # [end - start, hidden]
         if not final:
             return None
-        first = self._pick(logits[0], row)
+        return self._first_token(row, logits[0])
+
+    @torch.inference_mode()
+    def prefill_last(self, rows: list[Row], cache: KVCache) -> list[Emitted]:
+        """`prefill` for rows that each hold all of their prompt but its last token (a prefix cache
+        hit on a whole earlier prompt), in one forward: rows[r] lives in cache row r. What one
+        `prefill` per row gives, bit for bit: a one-token block scores each row by itself (the
+        decode step's batch-invariant products and attention), so rows arriving together share
+        each read of the weights instead of a one-row forward each.
+        """
+        for r, row in enumerate(rows):
+            if cache.length(r) != len(row.prompt) - 1 or (row.drafter is not None and row.drafter.needs.observes is not None):
+                raise ValueError("prefill_last: every row must hold its prompt but the last token, without a "
+                                 "drafter that observes the prompt")
+            row.started = row.started or time.perf_counter()
+        tokens = torch.tensor([[row.prompt[-1]] for row in rows], device=self.device)  # [n, 1]
+        positions = torch.tensor([[len(row.prompt) - 1] for row in rows], device=self.device)  # [n, 1]
+        logits, _ = self.model(tokens, positions, cache, last_n=1, need_hidden=False)  # [n, 1, vocab]
+        emitted = []
+        for r, row in enumerate(rows):
+            row.stats.target_forwards += 1
+            emitted.append(self._first_token(row, logits[r]))
+        return emitted
+
+    def _first_token(self, row: Row, logits: torch.Tensor) -> Emitted:
+        """The row's prompt is all in: emit its first token and begin its drafter. logits: [1, vocab]."""
+        ids = row.prompt
+        drafter = row.drafter
+        observes = drafter is not None and drafter.needs.observes is not None
+        first = self._pick(logits, row)
         row.stats.prefill_s = time.perf_counter() - row.started
         if row.steps is not None:
             row.steps.append(Step([], first, "prefill", 0))
@@ -793,7 +838,7 @@ class Engine:
         text = row.out.push(first)
         if row.grammar is not None:
             row.grammar.advance([first])
-        return Emitted([first], text, logits[0] if row.keep_logits else None)
+        return Emitted([first], text, logits if row.keep_logits else None)
 
     @torch.inference_mode()
     def step(self, rows: list[Row], cache: KVCache, cap: int | None = None) -> StepReport:
@@ -803,23 +848,36 @@ class Engine:
         fixed k (seeded sampling) ignore it.
         """
         # 1. Propose: each row with its own drafter and draft length; rows whose drafters share a
-        # batch key (a draft model's rows) in one call, one model forward per draft position.
+        # batch key (a draft model's or an EAGLE head's rows) in one call, one model forward per
+        # draft position. A lookup-first row looks up first; where it finds nothing, its learned
+        # part joins that same batched forward (with the length the rule wants for LEARNED).
         plans = [self._plan(row, cap) for row in rows]
         batched: dict[int, tuple[Proposal, float]] = {}
-        groups: dict[int, list[int]] = {}
+        groups: dict[int, list[tuple[int, Drafter, int]]] = {}  # key -> (row, drafter, k) of each member
         for r, (row, plan) in enumerate(zip(rows, plans)):
-            if isinstance(plan, int) and plan > 0 and not row.drafter.needs.fallback:
-                key = row.drafter.batch_key()
-                if key is not None:
-                    groups.setdefault(id(key), []).append(r)
-        for members in groups.values():
-            if len(members) > 1:
+            if not isinstance(plan, int) or plan == 0 or (key := row.drafter.batch_key()) is None:
+                continue
+            k = plan
+            if row.drafter.needs.fallback:
                 started = time.perf_counter()
-                made = rows[members[0]].drafter.propose_batch([rows[r].drafter for r in members],
-                                                              [rows[r].context for r in members],
-                                                              [plans[r] for r in members])
-                share = (time.perf_counter() - started) / len(members)
-                batched.update((r, (p, share)) for r, p in zip(members, made))
+                free = row.drafter.propose_free(row.context, plan)
+                if free is not None:
+                    batched[r] = (free, time.perf_counter() - started)
+                    continue
+                k = min(plan, max(1, row.rule.next_k(LEARNED)))
+            groups.setdefault(id(key), []).append((r, row.drafter.batch_member(), k))
+        for members in groups.values():
+            if len(members) == 1 and not rows[members[0][0]].drafter.needs.fallback:
+                continue  # alone: `_draft` proposes it
+            started = time.perf_counter()
+            first = members[0][1]
+            made = first.propose_batch([d for _, d, _ in members], [rows[r].context for r, _, _ in members],
+                                       [k for _, _, k in members])
+            share = (time.perf_counter() - started) / len(members)
+            for (r, _, _), p in zip(members, made):
+                if rows[r].drafter.needs.fallback:
+                    p = Proposal(p.tokens, p.q, source=LEARNED)
+                batched[r] = (p, share)
         drafts = [self._draft(row, plan, batched.get(r)) for r, (row, plan) in enumerate(zip(rows, plans))]
         # 2. One target forward over the blocks [lead token] + drafts, each at its positions (the
         # lead token is the last emitted one, not yet in the cache; tree node i is block position

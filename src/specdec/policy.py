@@ -36,11 +36,14 @@ DRAFT_LENGTHS = ("fixed", "adaptive", "cost")
 # default model (a pass over T tokens relative to T = 1): float32 1.73 at T = 2, 2.31 at T = 6, 2.60
 # at T = 9 after a 100-token context (its matrix products leave their one-row fast path); int8, with
 # the compiled CPU kernels, after a 400-token context: 1.02 at T = 2, 1.51 at T = 4, 1.88 at T = 6,
-# 2.16 at T = 9 (docs/archive/BENCHMARKS-history.md, evening run). A GPU scores a few tokens for about one: the CUDA row is
-# an estimate, not yet measured on a GPU.
+# 2.16 at T = 9; int4 (Qwen2.5 1.5B), whose one-token pass reads less, so each more scored token
+# weighs more against it (docs/archive/BENCHMARKS-history.md; the int4 row from the T-token pass
+# timings of BENCHMARKS.md, Kernels). A GPU scores a few tokens for about one: the CUDA row is an
+# estimate, not yet measured on a GPU.
 DEFAULT_VERIFY_COSTS = {  # (overhead, cost per draft token)
     "cpu": (0.5, 0.14),
     "cpu-int8": (0.0, 0.16),
+    "cpu-int4": (0.0, 0.10),
     "cuda": (0.0, 0.03),
 }
 # The output head's share of that per-token cost, which greedy screening pays only for rows up to
@@ -55,12 +58,13 @@ DEFAULT_DRAFT_TOKEN_COST = 0.0
 
 
 def hardware_kind(model) -> str:
-    """The DEFAULT_VERIFY_COSTS row for a target: cuda, cpu-int8 or cpu."""
-    from .models.quant import Int8Linear
+    """The DEFAULT_VERIFY_COSTS row for a target: cuda, cpu-int4, cpu-int8 or cpu."""
+    from .models.quant import quantize_of
 
     if model.embed_tokens.weight.device.type == "cuda":
         return "cuda"
-    return "cpu-int8" if isinstance(model.lm_head, Int8Linear) else "cpu"
+    mode = quantize_of(model)
+    return "cpu" if mode == "none" else f"cpu-{mode}"
 
 
 def default_draft_length(draft_length: str | None, tree) -> str:
@@ -70,17 +74,6 @@ def default_draft_length(draft_length: str | None, tree) -> str:
     if draft_length is not None:
         return draft_length
     return "fixed" if tree is not None else "cost"
-
-
-def check_draft_length(draft_length: str, verify_cost: float | None, verify_overhead: float | None = None) -> None:
-    if draft_length not in DRAFT_LENGTHS:
-        raise InvalidRequestError(f"draft_length must be one of {', '.join(DRAFT_LENGTHS)}; got {draft_length!r}",
-                                  "draft_length")
-    if verify_cost is not None and not (isinstance(verify_cost, (int, float)) and 0 < verify_cost <= 10):
-        raise InvalidRequestError(f"verify_cost must be a number in (0, 10], got {verify_cost!r}", "verify_cost")
-    if verify_overhead is not None and not (isinstance(verify_overhead, (int, float)) and 0 <= verify_overhead <= 10):
-        raise InvalidRequestError(f"verify_overhead must be a number in [0, 10], got {verify_overhead!r}",
-                                  "verify_overhead")
 
 
 def _is_int(x: object) -> bool:

@@ -23,9 +23,10 @@ it, never the padding after it, so its logits are exactly those of the unpadded 
 rollback `truncate(len_r + 1 + accepted_r, row=r)` (`compact` for a tree's path) then drops the
 padding with the rejected drafts.
 
-Prefix caching (`prefix_cache_tokens` > 0, see `prefix_cache.py`). A sequence that leaves the
-batch finished leaves its committed tokens and a copy of their cache slots in a store bounded by
-that many cached tokens (least recently used evicted first); a new prompt starts from the longest
+Prefix caching (`prefix_cache_tokens` > 0, see `prefix_cache.py`). A prompt, once prefilled, and
+a sequence that leaves the batch finished leave their tokens and a copy of their cache slots in a
+store bounded by that many cached tokens (least recently used evicted first; the finished
+sequence's entry replaces its prompt's); a new prompt starts from the longest
 stored prefix of it, copied into its row (`KVCache.import_row`), and its prefill scores the rest.
 Slots keep their positions and no layer drops old slots, so the copy is the state that scoring
 the prefix would have left, sliding-window layers included. Rows of a learned drafter that reads
@@ -290,6 +291,7 @@ class _Sequence:
     row: Row
     admitted: float = 0.0
     first_token: float | None = None
+    looked_up: tuple | None = None  # (its prefix cache lookup,) when done ahead of its prefill
 
     @property
     def request(self) -> Request:
@@ -526,11 +528,20 @@ class BatchScheduler:
         prompt tokens this iteration, so they wait for one chunk at most; with none running (or
         chunking off), every admitted prompt whole. One prompt is prefilled at a time, in cache
         row len(_running); when its last chunk is in, it emits its first token and joins the
-        running rows where it already sits."""
+        running rows where it already sits. Except: admitted prompts that the prefix cache holds
+        all but the last token of go in together, one forward for all (`_prefill_cached`)."""
         budget = self.prefill_chunk if self.prefill_chunk and self._running else None
         while self._prefilling is not None or self._ready:
             if self._prefilling is None:
-                self._begin_prefill(self._ready.popleft())
+                head = self._ready[0]
+                found = head.looked_up[0] if head.looked_up is not None else self._lookup(head)
+                head.looked_up = None
+                if len(self._ready) > 1 and self._last_only(head, found):
+                    self._prefill_cached(found, budget)
+                    if budget is not None:
+                        return
+                    continue
+                self._begin_prefill(self._ready.popleft(), found)
             seq = self._prefilling
             r = len(self._running)
             view = self.cache.rows(r + 1, r)
@@ -538,6 +549,12 @@ class BatchScheduler:
             emitted = self.engine.prefill(seq.row, view, None if budget is None else done + budget)
             self.counters.prefill_forwards += 1
             if emitted is not None:
+                if self.prefix_cache is not None:
+                    # The prompt is stored as soon as it is in, not only when its request
+                    # finishes: requests that arrive together with the same system prompt share
+                    # it (the next prompt's prefill begins after this one's).
+                    held = min(view.length(), len(seq.row.prompt))
+                    self.prefix_cache.insert(seq.row.prompt[:held], self.cache, r)
                 self._prefilling = None
                 self._running.append(seq)
                 if self._emit(seq, emitted):  # one token asked for, or EOS at once
@@ -547,22 +564,67 @@ class BatchScheduler:
                 if budget <= 0:
                     return
 
-    def _begin_prefill(self, seq: _Sequence) -> None:
-        """`seq` takes the cache row after the running ones; a cached prefix of its prompt is
-        copied in (`PrefixCache`), so that only the rest is scored."""
+    def _lookup(self, seq: _Sequence):
+        """The prefix cache's stored slots for `seq`'s prompt and how many to copy, or None. A
+        learned drafter reads the target's hidden state of every prompt token, which a copied prefix
+        does not bring: its rows score the whole prompt."""
+        drafter = seq.row.drafter
+        if self.prefix_cache is not None and (drafter is None or drafter.needs.observes is None):
+            return self.prefix_cache.lookup(seq.row.prompt)
+        return None
+
+    @staticmethod
+    def _last_only(seq: _Sequence, found) -> bool:
+        """Whether the prefix cache holds all of `seq`'s prompt but the last token (`found`)."""
+        return found is not None and found[1] == len(seq.row.prompt) - 1
+
+    def _begin_prefill(self, seq: _Sequence, found) -> None:
+        """`seq` takes the cache row after the running ones; a cached prefix of its prompt
+        (`found`, from `_lookup`) is copied in, so that only the rest is scored."""
         r = len(self._running)
         self._prefilling = seq
+        self._admit(seq, r, found)
+
+    def _admit(self, seq: _Sequence, r: int, found) -> None:
         seq.admitted = seq.row.started = time.perf_counter()
         self.cache.truncate(0, row=r)
         self.counters.prompt_tokens += len(seq.request.prompt_ids)
-        drafter = seq.row.drafter
-        # A learned drafter reads the target's hidden state of every prompt token, which a copied
-        # prefix does not bring: its rows score the whole prompt.
-        if self.prefix_cache is not None and (drafter is None or drafter.needs.observes is None):
-            found = self.prefix_cache.lookup(seq.row.prompt)
-            if found is not None:
-                self.cache.import_row(found[0], r, found[1])
-                self.counters.prompt_tokens_cached += found[1]
+        if found is not None:
+            self.cache.import_row(found[0], r, found[1])
+            self.counters.prompt_tokens_cached += found[1]
+
+    def _prefill_cached(self, found, budget: int | None) -> None:
+        """Admitted prompts whose every token but the last is in the prefix cache (the first's
+        lookup: `found`), in one forward (`Engine.prefill_last`): requests that arrive together
+        share the weights' read as the running rows do. Takes the ready prompts in order while
+        they are such hits, up to `budget` of them (None: no limit); they join the running rows."""
+        r = len(self._running)
+        batch = []
+        while True:
+            seq = self._ready.popleft()
+            self._admit(seq, r + len(batch), found)
+            batch.append(seq)
+            if not self._ready or (budget is not None and len(batch) >= budget):
+                break
+            # The next prompt's lookup is kept for its own prefill when it is not such a hit (a
+            # lookup counts in the store's statistics and moves its entry to the front).
+            nxt = self._ready[0]
+            nxt.looked_up = (found := self._lookup(nxt),)
+            if not self._last_only(nxt, found):
+                break
+            nxt.looked_up = None
+        try:
+            emitted = self.engine.prefill_last([seq.row for seq in batch], self.cache.rows(r + len(batch), r))
+        except Exception as exc:  # fail these rows; run_once fails what else is in flight
+            for j, seq in enumerate(batch):
+                self.cache.truncate(0, row=r + j)
+                self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            raise
+        self.counters.prefill_forwards += 1
+        self._running.extend(batch)
+        done = [seq for seq, e in zip(batch, emitted) if self._emit(seq, e)]
+        for seq in done:
+            self._leave(seq, seq.row.out.finish_reason)
 
     def _drop_prefilling(self, reason: str, error: str | None = None) -> None:
         seq, self._prefilling = self._prefilling, None

@@ -41,8 +41,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     parser.add_argument("--dtype", default="auto", help="specdec targets: auto | float32 | bfloat16 | float16 (HF peers run float32 unless hf:dtype=...)")
     parser.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
-                        help="specdec targets' quantisation; auto (default): int8 on the CPU for a GGUF source "
-                             "(the default model, a named model, a .gguf file), none otherwise")
+                        help="specdec targets' quantisation; auto (default): on the CPU for a GGUF source (the default "
+                             "model, a named model, a .gguf file) int4 where its layer weights are mostly 4-bit "
+                             "(Q4_K), else int8; none otherwise")
     parser.add_argument("--draft-model", metavar="PATH",
                         help="draft model for draft / hf-assist configurations (default: a named target's paired "
                              "draft model)")
@@ -50,6 +51,14 @@ def add_arguments(parser) -> None:
                         help="0 (default): greedy, every output checked against plain; > 0: seeded sampling, the "
                              "same seed per prompt for every configuration (peers are left out)")
     parser.add_argument("--seed", type=int, default=0, help="base seed of sampled runs (default 0)")
+    parser.add_argument("--ref-src", metavar="DIR",
+                        help="another specdec source tree (a checkout or its src folder) that ref@CONFIG "
+                             "configurations run in a worker process (this@CONFIG: this tree in the same kind of "
+                             "process, the side to compare with), e.g. --configs this@plain,ref@plain --ref-src "
+                             "../old: two versions of specdec side by side in one run")
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="what a run's seconds are: wall (default) or the process's CPU time, which leaves "
+                             "out the time spent waiting for a core on a shared machine (for 1-thread runs)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved passes over the prompts (default 1)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up rounds before measuring (default 1)")
@@ -76,7 +85,11 @@ def command_line(args) -> str:
         parts += ["--draft-model", args.draft_model]
     if args.temperature:
         parts += ["--temperature", f"{args.temperature:g}", "--seed", str(args.seed)]
+    if args.ref_src:
+        parts += ["--ref-src", args.ref_src]
     parts += ["--device", args.device, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+    if args.clock != "wall":
+        parts += ["--clock", args.clock]
     return shlex.join(parts)
 
 
@@ -95,13 +108,17 @@ def run(args) -> int:
     if draft_model is None and presets.is_preset(args.model):
         draft_model = presets.get(args.model).draft
     configs = parse_configs(args.configs, draft_model)
+    if any(c.ref for c in configs):
+        from .runner import ref_source
+
+        ref_source(args.ref_src)  # a missing or wrong --ref-src fails before any load
     groups = parse_tasks(args.tasks)
     template = args.template.replace("\\n", "\n")
     prompts = select_prompts(groups, args.per_group, spec_bench_path(args.spec_bench), args.prompts, template,
                              args.chat)
     quantize = resolve_quantize(args.quantize, args.device, args.model)
     settings = Settings(args.model, args.max_tokens, args.dtype, quantize, args.device, args.repeats, args.warmup,
-                        args.temperature, args.seed)
+                        args.temperature, args.seed, args.ref_src, args.clock)
 
     def log(message: str) -> None:
         (bar.write if bar is not None else lambda m: print(m, file=sys.stderr))(f"bench: {message}")

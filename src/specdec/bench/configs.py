@@ -24,6 +24,13 @@ An option is `key=value` or a bare flag (`adaptive`). Examples::
     llama-spec:k=4             llama.cpp's `llama-speculative` program with a draft model (model=, or the
                                draft model of draft configurations), greedy; bin=PATH, else
                                $SPECDEC_LLAMA_SPECULATIVE or llama-speculative on the PATH
+    ref@ngram:k=5              the same specdec configuration run by ANOTHER specdec source tree
+                               (`--ref-src DIR`, e.g. an older commit's checkout), in a worker process
+                               through the public `Engine.load` / `generate` that every version has; so
+                               one run compares two versions of specdec side by side (any plain, ngram,
+                               suffix, draft or eagle configuration after `ref@`)
+    this@ngram:k=5             ... run by this tree, in the same kind of worker process: the side to
+                               compare ref@ with, since a process's own speed varies (see runner.py)
 
 The label of a configuration is its text as written, so it is what the tables show. Parsing is pure
 (no models are touched), so a bad list fails at once, before anything slow.
@@ -77,11 +84,17 @@ class BenchConfig:
     label: str
     kind: str
     options: dict = field(default_factory=dict)
+    worker: str | None = None  # "ref" (`ref@`: the --ref-src tree) or "this" (`this@`), in a worker process
+
+    @property
+    def ref(self) -> bool:
+        """Runs in a worker process (`ref@` or `this@`)."""
+        return self.worker is not None
 
     @property
     def family(self) -> str:
-        """"specdec", "hf" or "llama-cpp"."""
-        return KINDS[self.kind][0]
+        """"specdec", "worker" (a specdec configuration in a worker process), "hf" or "llama-cpp"."""
+        return "worker" if self.ref else KINDS[self.kind][0]
 
     @property
     def speculative(self) -> bool:
@@ -119,7 +132,23 @@ def parse_configs(text: str, draft_model: str | None = None) -> list[BenchConfig
     return configs
 
 
+WORKER_PREFIXES = {"ref@": "ref", "this@": "this"}
+# Options a ref@ configuration cannot pass on: the worker reaches the other tree only through
+# `Engine.load`'s keywords, and the n-gram range is not one of them.
+REF_UNSUPPORTED = ("max_ngram", "min_ngram")
+
+
 def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
+    prefix = next((p for p in WORKER_PREFIXES if item.strip().lower().startswith(p)), None)
+    if prefix is not None:
+        inner = parse_config(item.strip()[len(prefix):], draft_model)
+        if inner.family != "specdec":
+            raise InvalidRequestError(f"{item!r}: {prefix} takes a specdec configuration (plain, ngram, suffix, "
+                                      "draft, eagle)", "configs")
+        if bad := [key for key in REF_UNSUPPORTED if key in inner.options]:
+            raise InvalidRequestError(f"{item!r}: {bad[0]} cannot be passed to a worker process "
+                                      "(Engine.load takes no such option)", "configs")
+        return BenchConfig(item.strip(), inner.kind, inner.options, worker=WORKER_PREFIXES[prefix])
     kind, *parts = item.split(":")
     kind = kind.strip().lower()
     if kind not in KINDS:
@@ -185,6 +214,42 @@ def eagle_name(options: dict) -> str:
     return f"{options['lookup']}+{head}" if options.get("lookup") else head
 
 
+def counterparts(configs: list[BenchConfig]) -> dict[str, str]:
+    """ref@ configuration label -> the label of the same configuration run by this tree (same kind,
+    same options once defaults are filled in): its this@ twin where there is one (measured alike, in
+    a worker), else the in-process one."""
+    out = {}
+    for r in configs:
+        if r.worker == "ref":
+            same = [c for c in configs if c.worker != "ref" and c.kind == r.kind and c.options == r.options]
+            same.sort(key=lambda c: c.worker != "this")
+            if same:
+                out[r.label] = same[0].label
+    return out
+
+
+def ref_drafter_name(config: BenchConfig) -> str:
+    """The `drafter` argument of Engine.load that makes this configuration's drafter."""
+    o = config.options
+    if config.kind == "plain":
+        return "none"
+    if config.kind in ("ngram", "suffix"):
+        return config.kind
+    if config.kind == "eagle":
+        return eagle_name(o)
+    return f"{o['lookup']}+{o['model']}" if o.get("lookup") else str(o["model"])
+
+
+def ref_load_options(config: BenchConfig, dtype: str, quantize: str | None, device: str) -> dict:
+    """Engine.load's keywords for a ref@ configuration on the target (dtype, quantize). Options left
+    out are None; the worker drops a None the other tree's Engine.load does not know."""
+    o = config.options
+    return {"drafter": ref_drafter_name(config), "num_speculative_tokens": config.k or 5, "device": device,
+            "dtype": dtype, "quantize": quantize or "none", "draft_length": config.draft_length,
+            "draft_tree": o.get("tree"), "draft_p_min": o.get("p_min"),
+            "draft_quantize": o.get("draft_quantize"), "draft_vocab": o.get("vocab")}
+
+
 def lookup_drafter(kind: str, options: dict):
     """A fresh ngram / suffix drafter with the configuration's n-gram options."""
     from ..drafters import NgramDrafter, SuffixDrafter
@@ -240,10 +305,11 @@ def with_baselines(configs: list[BenchConfig], dtype: str, quantize: str | None,
     configuration is added right before its first user (first in the list for the peers' one).
     """
     configs = list(configs)
-    key_of = {c.label: target_key(c, dtype, quantize, canonical) for c in configs if c.family == "specdec"}
+    # Worker configurations run on the same target as this tree's: their baseline is this tree's plain.
+    key_of = {c.label: target_key(c, dtype, quantize, canonical) for c in configs if c.family in ("specdec", "worker")}
     plain_of: dict[tuple, str] = {}
     for c in configs:
-        if c.kind == "plain":
+        if c.kind == "plain" and not c.ref:
             plain_of.setdefault(key_of[c.label], c.label)
     default_key = (canonical(dtype, quantize), quantize)
 
@@ -258,9 +324,9 @@ def with_baselines(configs: list[BenchConfig], dtype: str, quantize: str | None,
     if any(c.family != "specdec" for c in configs) and not plain_of:
         add_plain(default_key, {}, 0)
     for c in list(configs):
-        if c.family == "specdec" and key_of[c.label] not in plain_of:
+        if c.family in ("specdec", "worker") and key_of[c.label] not in plain_of:
             add_plain(key_of[c.label], {k: v for k, v in c.options.items() if k in ("dtype", "quantize")},
                       configs.index(c))
-    peer_baseline = plain_of.get(default_key) or next(c.label for c in configs if c.kind == "plain")
-    baselines = {c.label: plain_of[key_of[c.label]] if c.family == "specdec" else peer_baseline for c in configs}
+    peer_baseline = plain_of.get(default_key) or next(c.label for c in configs if c.kind == "plain" and not c.ref)
+    baselines = {c.label: plain_of[key_of[c.label]] if c.label in key_of else peer_baseline for c in configs}
     return configs, baselines

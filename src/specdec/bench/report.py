@@ -215,6 +215,38 @@ def _summary(c, group: str, runs: list[Run], base_runs: list[Run], base_label: s
     return s
 
 
+@dataclass
+class Versus:
+    """This tree's configuration against the same configuration run by the --ref-src tree."""
+
+    config: str
+    ref: str
+    tokens_per_s: float
+    ref_tokens_per_s: float
+    ratio: float  # this tree's tokens/s over the reference's: > 1 means this tree is faster
+    interval: tuple[float, float] | None  # 95% bootstrap over the prompts, as for a speedup
+    identical: int  # prompts (and repeats) where both gave the same tokens
+    compared: int
+
+
+def versus_reference(result: BenchResult) -> list[Versus]:
+    """Every ref@ configuration whose counterpart ran: the ratio new / reference over all prompts."""
+    by: dict[str, list[Run]] = {}
+    for r in result.runs:
+        by.setdefault(r.config, []).append(r)
+    out = []
+    for ref, mine in result.counterparts.items():
+        runs, ref_runs = by.get(mine, []), by.get(ref, [])
+        (tok, wall), (rtok, rwall) = _totals(runs), _totals(ref_runs)
+        if not runs or not ref_runs or wall <= 0 or rwall <= 0 or rtok <= 0:
+            continue
+        theirs = {(r.prompt_id, r.repeat): r.token_ids for r in ref_runs}
+        pairs = [(r.token_ids, theirs[(r.prompt_id, r.repeat)]) for r in runs if (r.prompt_id, r.repeat) in theirs]
+        out.append(Versus(mine, ref, tok / wall, rtok / rwall, (tok / wall) / (rtok / rwall),
+                          speedup_interval(runs, ref_runs), sum(a == b for a, b in pairs), len(pairs)))
+    return out
+
+
 def headline(result: BenchResult, summaries: list[Summary]) -> dict | None:
     """The fastest specdec configuration overall against its own plain decoding and every peer."""
     overall = {s.config: s for s in summaries if s.group == ALL}
@@ -224,7 +256,7 @@ def headline(result: BenchResult, summaries: list[Summary]) -> dict | None:
         return None
     best = max(ours, key=lambda s: s.tokens_per_s)
     vs = {label: best.tokens_per_s / s.tokens_per_s for label, s in overall.items()
-          if family[label] != "specdec" and s.tokens_per_s > 0}
+          if family[label] not in ("specdec", "worker") and s.tokens_per_s > 0}
     return {"best": best.config, "tokens_per_s": best.tokens_per_s, "vs_own_plain": best.speedup,
             "vs_own_plain_interval": best.speedup_interval, "baseline": best.baseline, "vs_peers": vs}
 
@@ -237,6 +269,10 @@ def _f(x, fmt: str, none: str = "–") -> str:
 
 def _interval(interval: tuple[float, float] | None) -> str:
     return "" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
+
+
+def _interval3(interval: tuple[float, float] | None) -> str:
+    return "" if interval is None else f" [{interval[0]:.3f}, {interval[1]:.3f}]"
 
 
 def _memory(n: int | None) -> str:
@@ -273,7 +309,8 @@ def to_markdown(result: BenchResult, summaries: list[Summary], command: str | No
         f"- model: {st.model}; {_decoding(st)}; up to {st.max_tokens} new tokens; {len(result.prompts)} prompts "
         f"({', '.join(f'{g} {n}' for g, n in counts.items())}); {st.repeats} repeat(s), interleaved, "
         f"after {st.warmup} warm-up round(s)",
-        "- tokens/s: new tokens / wall time of the whole generate call (prefill included); speedup: over "
+        f"- tokens/s: new tokens / {'CPU time of the process during' if st.clock == 'cpu' else 'wall time of'} "
+        "the whole generate call (prefill included); speedup: over "
         "plain decoding of the same target (dtype, quantisation) in the same run, peers over the default "
         "target's plain; [a, b]: its 95% bootstrap interval over the prompts (a run's figure depends on the "
         "prompts drawn; the machine's drift is not in it); bound: Leviathan et al.'s expected speedup from "
@@ -316,6 +353,15 @@ def to_markdown(result: BenchResult, summaries: list[Summary], command: str | No
                 bound = f" ({s.bound:.2f}x)" if s.bound is not None else ""
                 row.append(f"{_f(s.speedup, '.2f')}x{bound}<br>{s.tokens_per_s:.1f}")
             lines.append(f"| `{label}` | " + " | ".join(row) + " |")
+    versus = versus_reference(result)
+    if versus:
+        lines += ["", f"Against the reference tree (`--ref-src {st.ref_src}`): this tree's tokens/s over the same "
+                  "configuration's there, with its 95% bootstrap interval over the prompts:", "",
+                  "| configuration | reference | tokens/s | reference tokens/s | new / reference | same tokens |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for v in versus:
+            lines.append(f"| `{v.config}` | `{v.ref}` | {v.tokens_per_s:.1f} | {v.ref_tokens_per_s:.1f} | "
+                         f"{v.ratio:.3f}x{_interval3(v.interval)} | {v.identical}/{v.compared} |")
     spec = [s for s in summaries if s.group == ALL and s.acceptance_by_position]
     if spec:
         width = max(len(s.acceptance_by_position) for s in spec)
@@ -343,6 +389,7 @@ def to_json(result: BenchResult, summaries: list[Summary], command: str | None =
         "interrupted": result.interrupted,
         "prompts": [asdict(p) for p in result.prompts],
         "headline": headline(result, summaries),
+        "versus_reference": [asdict(v) for v in versus_reference(result)],
         "summary": [asdict(s) for s in summaries],
         "runs": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in result.runs],
     }

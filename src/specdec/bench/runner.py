@@ -19,7 +19,10 @@ one HF model per dtype.
 Timing. Every configuration, specdec and peers alike, is timed the same way: the wall time of the
 whole generate call on pre-tokenised ids (prefill included, tokenisation excluded), and tokens/s
 counts new tokens only (the prompt is excluded; an EOS that ended the output counts, as one
-generated token).
+generated token). `clock="cpu"` (`--clock cpu`) times the same calls by the
+process's CPU time instead: on a machine shared with other work, wall time also counts the time
+the process waited for a core, CPU time does not (it is the measure for one-thread runs; the
+prefill time and drafting time behind the bound and step cost stay wall-clock).
 
 Greedy or sampled. Runs are greedy unless `temperature` > 0. Sampled runs draw with a seed fixed per
 (prompt, repeat), the same for every configuration, so a rerun draws the same texts; speculative
@@ -43,10 +46,12 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidRequestError, SpecdecError
-from .configs import BenchConfig, eagle_name, lookup_drafter, target_key, with_baselines
+from .configs import (BenchConfig, counterparts, eagle_name, lookup_drafter, ref_load_options, target_key,
+                      with_baselines)
 from .prompts import BenchPrompt
 
 WARMUP_TOKENS = 16  # tokens per warm-up generation: enough to run the decode loop, cheap
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # --clock: what a run's seconds are
 
 
 @dataclass
@@ -60,6 +65,8 @@ class Settings:
     warmup: int = 1
     temperature: float = 0.0  # 0 = greedy
     seed: int = 0  # sampled runs: prompt i of repeat r draws with seed + 1000 * r + i
+    ref_src: str | None = None  # another specdec tree, for ref@ configurations
+    clock: str = "wall"  # a key of CLOCKS
 
 
 @dataclass
@@ -72,7 +79,7 @@ class Run:
     repeat: int
     prompt_tokens: int
     new_tokens: int
-    wall_s: float  # the whole generate call, prefill included
+    wall_s: float  # the whole generate call, prefill included (CPU seconds with clock="cpu")
     token_ids: list[int]
     peak_memory: int | None = None  # bytes: peak RSS during the run (CPU) or CUDA max allocated
     # specdec only (None / 0 for peers, which do not expose them):
@@ -112,6 +119,7 @@ class BenchResult:
     memory_kind: str
     machine: dict
     interrupted: str | None = None  # set when Ctrl-C ended the run early
+    counterparts: dict[str, str] = field(default_factory=dict)  # ref@ label -> this tree's same configuration
 
 
 class MemoryProbe:
@@ -213,6 +221,8 @@ def _sync(device: str) -> None:
 class SpecdecRunner:
     """A specdec configuration: an Engine around a shared target, with its own drafter."""
 
+    clock = staticmethod(time.perf_counter)  # run_bench sets the chosen one on every runner
+
     def __init__(self, config: BenchConfig, model, tokenizer, make_drafter: Callable[[], object], device: str,
                  temperature: float = 0.0):
         self.config = config
@@ -242,11 +252,11 @@ class SpecdecRunner:
         if self.drafter is not None:
             self.drafter.take_seconds()
         _sync(self.device)
-        start = time.perf_counter()
+        start = self.clock()
         sampling = SamplingParams(temperature=self.temperature, seed=self.seed) if self.temperature > 0 else SamplingParams()
         gen = self.engine.generate(prompt_ids=list(ids), max_new_tokens=max_new, sampling=sampling)
         _sync(self.device)
-        wall = time.perf_counter() - start
+        wall = self.clock() - start
         s = gen.stats
         # Positions verified per step: every accepted draft token plus the first rejected one (the
         # target never looks past it). Accepted / verified is the per-token acceptance probability
@@ -261,8 +271,106 @@ class SpecdecRunner:
                    draft_s=self.drafter.take_seconds() if self.drafter is not None else 0.0)
 
 
+class RefRunner:
+    """A `ref@` configuration: the same specdec configuration run by another source tree, in a
+    worker process (`ref_worker.py`) that loads its own target through that tree's `Engine.load`
+    (`this@`: this tree, in the same kind of process, so the two sides are measured alike).
+
+    The worker times the generate call itself, exactly as `SpecdecRunner` does (pre-tokenised ids,
+    prefill included), so the pipe is not in the figure. It runs with this process's thread count
+    and CPU affinity (inherited). Its peak memory is not reported (another process). Its drafter is
+    not wrapped in `TimedDrafter`, so the report gives it no bound; its speed, identity and drafting
+    counts are measured like the others'.
+    """
+
+    def __init__(self, config: BenchConfig, src: Path, target: str, load: dict, log, clock: str = "wall"):
+        self.config = config
+        self.src, self.passes = src, 0
+        self.warm: tuple | None = None  # the first generate call (the warm-up), repeated by each new process
+        self.load = {"op": "load", "target": target, "load": load, "threads": torch.get_num_threads(), "clock": clock}
+        log(f"loading the target {target} in a worker on {src} for {config.label}")
+        self._start()
+
+    def _start(self) -> None:
+        import subprocess
+
+        worker = Path(__file__).with_name("ref_worker.py")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the worker sets its own path
+        self.proc = subprocess.Popen([sys.executable, str(worker), str(self.src)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            self.package = self._ask(self.load)["specdec"]
+        except BaseException:
+            self.close()
+            raise
+
+    def _ask(self, request: dict) -> dict:
+        import json
+
+        if self.proc.poll() is not None:
+            raise SpecdecError(f"{self.config.label}: the reference worker exited ({self.proc.returncode})")
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SpecdecError(f"{self.config.label}: the reference worker exited ({self.proc.wait()}); "
+                               "its stderr above says why")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise SpecdecError(f"{self.config.label}: the reference tree failed: {reply['error']}")
+        return reply
+
+    def new_pass(self) -> None:
+        """A fresh worker process for every pass: how fast a process runs the same code varies with
+        where its memory landed (same-tree workers side by side differed by several percent on a
+        shared machine), so each pass draws a new process instead of keeping one draw for all."""
+        if self.passes:
+            self.close()
+            self._start()  # (a fresh process also starts its lookup drafters afresh)
+            if self.warm is not None:
+                self.generate(*self.warm)  # its own warm-up, as the first process had
+        self.passes += 1
+
+    def generate(self, ids: tuple[int, ...], max_new: int) -> Run:
+        if self.warm is None:
+            self.warm = (ids, max_new)
+        r = self._ask({"op": "generate", "ids": list(ids), "max_new": max_new})
+        run = Run(self.config.label, "", "", 0, len(ids), r["new_tokens"], r["wall_s"], r["token_ids"],
+                  prefill_s=r["prefill_s"], target_forwards=r["target_forwards"], drafts=r["drafts"],
+                  draft_tokens=r["draft_tokens"], accepted_tokens=r["accepted_tokens"],
+                  tested_tokens=r["tested_tokens"], accepted_per_position=r["accepted_per_position"],
+                  drafted_per_position=r["drafted_per_position"])
+        return run
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"op": "exit"}\n')
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, ValueError):
+                pass
+            except Exception:  # noqa: BLE001 - a hung worker is ended, by its own process id
+                self.proc.kill()
+
+
+def ref_source(path: str | None) -> Path:
+    """--ref-src: a specdec source tree's `src` folder (or the checkout holding one)."""
+    if not path:
+        raise InvalidRequestError("ref@ configurations need --ref-src DIR (another specdec checkout or its src "
+                                  "folder)", "ref_src")
+    root = Path(path).expanduser().resolve()
+    for candidate in (root, root / "src"):
+        if (candidate / "specdec" / "engine.py").is_file():
+            return candidate
+    raise InvalidRequestError(f"--ref-src {path}: no specdec package there (looked for specdec/engine.py in it "
+                              "and in its src folder)", "ref_src")
+
+
 class HFRunner:
     """HF transformers `generate`, greedy: plain, prompt lookup, or with an assistant model."""
+
+    clock = staticmethod(time.perf_counter)
 
     def __init__(self, config: BenchConfig, model, eos_ids: list[int], device: str, assistant=None):
         self.config = config
@@ -291,16 +399,18 @@ class HFRunner:
         inputs = torch.tensor([list(ids)], device=self.device)
         kwargs = {"assistant_model": self.assistant} if self.assistant is not None else {}
         _sync(self.device)
-        start = time.perf_counter()
+        start = self.clock()
         with torch.inference_mode():
             out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=gc, **kwargs)
             new = out[0, len(ids):].tolist()
-        wall = time.perf_counter() - start
+        wall = self.clock() - start
         return Run(self.config.label, "", "", 0, len(ids), len(new), wall, new)
 
 
 class LlamaCppRunner:
     """llama-cpp-python on a GGUF file, greedy: plain, or with its prompt-lookup drafter."""
+
+    clock = staticmethod(time.perf_counter)
 
     def __init__(self, config: BenchConfig, gguf: Path, threads: int, n_ctx: int, eos_ids: list[int]):
         import llama_cpp
@@ -328,13 +438,13 @@ class LlamaCppRunner:
         # would otherwise reuse a cached common prefix, which the other configurations do not).
         self.llm.reset()
         new: list[int] = []
-        start = time.perf_counter()
+        start = self.clock()
         for token in self.llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
                                        reset=True):
             new.append(int(token))
             if new[-1] in self.eos or len(new) >= max_new:
                 break
-        wall = time.perf_counter() - start
+        wall = self.clock() - start
         return Run(self.config.label, "", "", 0, len(ids), len(new), wall, new)
 
 
@@ -472,8 +582,7 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
     `log(message)` gets one-line notes (loading, skipped peers); `total(n)` the number of runs
     about to happen (warm-up included); `progress(label)` is called after each run.
     """
-    from ..engine import Engine, resolve_device
-    from ..models import loader
+    from ..engine import resolve_device
 
     log = log or (lambda message: None)
     progress = progress or (lambda label: None)
@@ -485,16 +594,38 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
         raise InvalidRequestError("--warmup must be >= 0", "warmup")
     if not (0 <= settings.temperature <= 2):
         raise InvalidRequestError("--temperature must be in [0, 2]", "temperature")
-    sampled = settings.temperature > 0
+    if settings.temperature > 0 and any(c.ref for c in configs):
+        raise InvalidRequestError("ref@ / this@ configurations run greedy only: leave out --temperature", "temperature")
+    if settings.clock not in CLOCKS:
+        raise InvalidRequestError(f"--clock must be one of {', '.join(CLOCKS)}", "clock")
+    if settings.clock != "wall" and any(c.kind == "llama-spec" for c in configs):
+        raise InvalidRequestError("--clock cpu cannot time llama-spec (another process, timed by its own log)",
+                                  "clock")
     device = resolve_device(settings.device)
     canon = canonical_dtype(device)
     canon(settings.dtype)  # a bad --dtype fails here
+    ref_src = ref_source(settings.ref_src) if any(c.worker == "ref" for c in configs) else None
     configs, baselines = with_baselines(configs, settings.dtype, settings.quantize, canon)
+    runners: dict[str, object] = {}
+    try:
+        return _run_bench(settings, configs, baselines, prompts, device, canon, ref_src, runners, progress, log,
+                          total)
+    finally:
+        for r in runners.values():
+            if isinstance(r, RefRunner):
+                r.close()
 
+
+def _run_bench(settings: Settings, configs: list[BenchConfig], baselines: dict[str, str],
+               prompts: list[BenchPrompt], device: str, canon, ref_src: Path | None, runners: dict,
+               progress, log, total) -> BenchResult:
+    from ..engine import Engine
+    from ..models import loader
+
+    sampled = settings.temperature > 0
     # -- specdec targets: one load per (dtype, quantize), shared by every configuration on it ----
     targets: dict[tuple, Engine] = {}
     described: dict[str, str] = {}
-    runners: dict[str, object] = {}
     skipped: dict[str, str] = {}
     drafts: dict[tuple, tuple] = {}  # (path, dtype) -> (draft model, its tokenizer)
     for c in configs:
@@ -502,13 +633,20 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
             continue
         key = target_key(c, settings.dtype, settings.quantize, canon)
         if key not in targets:
-            log(f"loading the target {settings.model} ({key[0]}{', int8' if key[1] == 'int8' else ''})")
+            log(f"loading the target {settings.model} ({key[0]}{', ' + key[1] if key[1] != 'none' else ''})")
             targets[key] = Engine.load(settings.model, drafter="none", device=device, dtype=key[0], quantize=key[1],
                                        progress=_load_progress(log))
         base = targets[key]
-        described[c.label] = f"specdec {key[0]}" + (" int8" if key[1] == "int8" else "")
+        described[c.label] = f"specdec {key[0]}" + (f" {key[1]}" if key[1] != "none" else "")
         runners[c.label] = SpecdecRunner(c, base.model, base.tokenizer, _drafter_factory(c, base, drafts, log),
                                          device, settings.temperature)
+    for c in configs:
+        if c.ref:
+            key = target_key(c, settings.dtype, settings.quantize, canon)
+            src = ref_src if c.worker == "ref" else Path(__file__).resolve().parents[2]  # this tree's src
+            runners[c.label] = RefRunner(c, src, settings.model, ref_load_options(c, key[0], key[1], device), log,
+                                         settings.clock)
+            described[c.label] = f"{runners[c.label].package} {key[0]}" + (f" {key[1]}" if key[1] != "none" else "")
     first = next(iter(targets.values()))
     tokenizer, cfg = first.tokenizer, first.model.config
 
@@ -595,6 +733,9 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
     # -- warm-up, then interleaved passes ----------------------------------------------------------
     probe = MemoryProbe(device)
     order = [runners[c.label] for c in configs]
+    for r in order:
+        if not isinstance(r, RefRunner):  # the worker was told its clock when it started
+            r.clock = CLOCKS[settings.clock]
     if total:
         total(settings.warmup * len(order) + settings.repeats * len(prompts) * len(order))
     for _ in range(settings.warmup):
@@ -616,7 +757,9 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
                     gc.collect()
                     probe.start()
                     run = r.generate(ids, settings.max_tokens)
-                    run.peak_memory = probe.peak()
+                    run.peak_memory = None if isinstance(r, RefRunner) else probe.peak()
+                    if settings.clock != "wall":
+                        run.prefill_s = None  # the engine's is wall time: no step cost / bound from it
                     run.prompt_id, run.group, run.repeat = p.id, p.group, repeat
                     runs.append(run)
                     progress(r.config.label)
@@ -635,7 +778,7 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
     if not sampled:
         compare_outputs(runs, baselines)
     return BenchResult(settings, configs, baselines, described, [i for i in infos if i.id in done], runs, skipped,
-                       probe.kind, machine_info(device), interrupted)
+                       probe.kind, machine_info(device), interrupted, counterparts(configs))
 
 
 def compare_outputs(runs: list[Run], baselines: dict[str, str]) -> None:

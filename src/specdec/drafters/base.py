@@ -168,6 +168,17 @@ class Drafter(Protocol):
         forward per draft position for a draft model)."""
         ...
 
+    def propose_free(self, context: list[int], k: int) -> Proposal | None:
+        """With `needs.fallback`: the proposal that costs no model forward (a lookup's), or None
+        when there is none: the row then drafts with `batch_member()`, in the batched forward of
+        its batch key with the other drafting rows."""
+        ...
+
+    def batch_member(self) -> "Drafter":
+        """The drafter whose `propose_batch` this row joins: itself, or a lookup-first
+        combination's learned part."""
+        ...
+
     def feedback(self, num_accepted: int) -> None:
         """How many of the last proposal's tokens the target accepted."""
         ...
@@ -205,6 +216,12 @@ class DrafterBase:
 
     def propose_batch(self, drafters, contexts, ks):
         return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]
+
+    def propose_free(self, context: list[int], k: int) -> Proposal | None:
+        return None
+
+    def batch_member(self):
+        return self
 
     def feedback(self, num_accepted: int) -> None:
         pass

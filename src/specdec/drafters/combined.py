@@ -56,14 +56,29 @@ class LookupFirstDrafter(DrafterBase):
         # rebuilds its state from them the next time it is asked.
         self.learned.observe(hidden)
 
-    def propose(self, context: list[int], k: int, fallback_k: int | None = None) -> Proposal:
-        """Lookup's proposal of up to `k` tokens if it has one, else up to `fallback_k` (default
-        `self.fallback_k`, never more than `k`) from the learned drafter, labelled `LEARNED`."""
+    def batch_key(self) -> object | None:
+        # In a batch, the rows whose lookup found nothing draft with the learned part, in its one
+        # batched forward together with the learned drafter's own rows (`propose_free`).
+        return self.learned.batch_key()
+
+    def batch_member(self):
+        return self.learned
+
+    def propose_free(self, context: list[int], k: int) -> Proposal | None:
+        """Lookup's proposal of up to `k` tokens, or None (the learned part drafts next)."""
         proposal = self.lookup.propose(context, k)
         if proposal.tokens:
             self._last = self.lookup
             return proposal
         self._last = self.learned
+        return None
+
+    def propose(self, context: list[int], k: int, fallback_k: int | None = None) -> Proposal:
+        """Lookup's proposal of up to `k` tokens if it has one, else up to `fallback_k` (default
+        `self.fallback_k`, never more than `k`) from the learned drafter, labelled `LEARNED`."""
+        proposal = self.propose_free(context, k)
+        if proposal is not None:
+            return proposal
         n = min(k, self.fallback_k if fallback_k is None else fallback_k)
         if n <= 0:
             return Proposal([])

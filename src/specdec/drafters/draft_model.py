@@ -44,6 +44,11 @@ the distribution over the kept ids that the token was really drawn from. Verific
 (the target scores its full vocabulary), so the output stays exact; only acceptance can drop, where
 the target's token is one the draft cannot name.
 
+A 4-bit draft (`quantize="int4"`: its decoder layers on 4 bits) also scores with a 4-bit copy of
+its output head (`int4_head`; the model's own head stays int8, as `quant.quantize_model` leaves
+it): Qwen2.5-0.5B's 151,936 x 896 head is then 85 MB a token instead of 136. A draft's numbers only
+move its acceptance, never the output, so the head may be coarser than the target's would be.
+
 Price. Each draft token costs a forward of the draft model, which a lookup drafter's does not.
 `measure_cost(target)` times one-token steps of both models and keeps the ratio in `draft_cost`;
 the cost-aware draft length (`policy.CostAwareDraftLength`) starts its online price of a draft
@@ -61,7 +66,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -71,6 +75,7 @@ from specdec.drafters.base import (DrafterBase, DrafterNeeds, Proposal, check_k,
                                    draft_rows)
 from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
+from specdec.models.quant import quantize_of
 from specdec.models.transformer import Transformer, soft_cap
 from specdec.sampling import SamplingParams, greedy_tokens, make_generator, process_logits, sample
 
@@ -109,19 +114,23 @@ class DraftModelDrafter(DrafterBase):
         tokenizer=None,
         target_tokenizer=None,
         vocab: int | None = None,
+        int4_head: bool | None = None,
     ):
-        check_draft_p_min(draft_p_min)
         check_same_vocabulary(target_vocab_size, model.config.vocab_size, target_tokenizer, tokenizer)
         self.model = model
         self.target_vocab_size = target_vocab_size
         self.draft_p_min = float(draft_p_min)
         self.draft_cost: float | None = None  # one draft token in target steps (`measure_cost`)
-        # Reduced vocabulary: the kept ids [m] (sorted) and the head over their rows; None = all.
+        # Reduced vocabulary: the kept ids [m] (sorted); None = all. `_sub_head`: the head the draft
+        # scores with when it is not the model's own (the kept rows, and/or on 4 bits).
         self.vocab_ids: Tensor | None = None
         self._sub_head = None
         if vocab:
             self.vocab_ids = frequent_ids(model.config.vocab_size, vocab, special_ids(model, tokenizer))
-            self._sub_head = _rows_of(model.lm_head, self.vocab_ids)
+        if int4_head is None:
+            int4_head = quantize_of(model) == "int4"
+        if vocab or int4_head:
+            self._sub_head = _rows_of(model.lm_head, self.vocab_ids, int4_head)
         self._sampling = SamplingParams()
         self._generator: torch.Generator | None = None
         self._cache: KVCache | None = None
@@ -151,14 +160,13 @@ class DraftModelDrafter(DrafterBase):
         from specdec.models import loader
         from specdec.tokenizer import Tokenizer
 
-        check_draft_p_min(draft_p_min)  # before the slow part
-        check_vocab(vocab)
         model, folder = loader.load(source, dtype, device, progress, quantize=quantize)
         return cls(model, target_vocab_size, draft_p_min, Tokenizer.from_folder(folder), target_tokenizer, vocab)
 
     def measure_cost(self, target: Transformer, context: int = 64, repeats: int = 5) -> float:
         """Time one-token steps of the draft and of `target` after a `context`-token prompt, in turns
-        (median of `repeats` each), and keep their ratio in `draft_cost`."""
+        (median of `repeats` each), and keep their ratio in `draft_cost`. The process's CPU time,
+        not the wall's: another process taking the core for a moment must not set the price."""
         import statistics
         import time
 
@@ -173,9 +181,9 @@ class DraftModelDrafter(DrafterBase):
         step, position = torch.tensor([[ids[0][-1]]], device=self.device), torch.tensor([[context]], device=self.device)
         for _ in range(repeats + 1):  # the first round warms up
             for i, model in enumerate((target, self.model)):
-                start = time.perf_counter()
+                start = time.process_time()
                 model(step, position, caches[i], last_n=1, need_hidden=False)
-                times[i].append(time.perf_counter() - start)
+                times[i].append(time.process_time() - start)
                 caches[i].truncate(context)
         self.draft_cost = statistics.median(times[1][1:]) / statistics.median(times[0][1:])
         return self.draft_cost
@@ -225,6 +233,12 @@ class DraftModelDrafter(DrafterBase):
         else:
             self._cache = self.model.new_cache(1, len(prompt_ids) + _INITIAL_ROOM)
         self._tokens = []
+        # The prompt's keys and values now, with the target's prefill, not in the first `propose`:
+        # the engine times each propose as the price of its draft tokens (`policy.DraftCost`), and
+        # a first proposal charged with a whole prompt's forward priced the draft model out for
+        # good (it then drafted nothing more to be measured again).
+        if prompt_ids:
+            self._sync(list(prompt_ids))
 
     def propose(self, context: list[int], k: int) -> Proposal:
         check_k(k)
@@ -315,6 +329,8 @@ class DraftModelDrafter(DrafterBase):
         if self._sub_head is None:
             return self.model.head(hidden)
         sub = soft_cap(self._sub_head(hidden).float(), self.model.config.final_logit_softcap)  # [rows, m]
+        if self.vocab_ids is None:  # all rows, on 4 bits
+            return sub
         full = sub.new_full((hidden.shape[0], self.model.config.vocab_size), -math.inf)
         full[:, self.vocab_ids] = sub
         return full
@@ -430,12 +446,6 @@ def propose_batch(drafters: list[DraftModelDrafter], contexts: list[list[int]], 
     return draft_rows(drafters, logits, ks, lambda feed: forward({i: [t] for i, t in feed.items()}))
 
 
-def check_vocab(vocab) -> None:
-    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0):
-        raise InvalidRequestError(f"the draft vocabulary must be a number of ids >= 0 (0 = all), got {vocab!r}",
-                                  param="draft_vocab")
-
-
 def special_ids(model: Transformer, tokenizer=None) -> list[int]:
     """Ids a reduced draft vocabulary always keeps: the EOS ids and the tokenizer's added tokens
     (end of turn, chat markers), which a chat answer needs to end."""
@@ -453,11 +463,18 @@ def frequent_ids(vocab_size: int, n: int, keep: Sequence[int] = ()) -> Tensor:
     return torch.tensor(sorted(set(range(min(n, vocab_size))) | set(keep)), dtype=torch.long)
 
 
-def _rows_of(head, ids: Tensor):
-    """A head that scores rows `ids` of `head` only, with the same numbers for them."""
-    from specdec.models.quant import Int8Linear
+def _rows_of(head, ids: Tensor | None, int4: bool = False):
+    """A head that scores rows `ids` (None = all) of `head` only: with the same numbers for them, or
+    with `int4` on 4-bit groups (`quant.quantize_int4` of the rows as `head` holds them), which reads
+    5/8 of an int8 head's bytes per draft token. Only acceptance depends on the draft's numbers."""
+    from specdec.models.quant import Int4Linear, Int8Linear, quantize_int4
 
+    if ids is None:
+        ids = torch.arange(head.out_features)
     bias = None if head.bias is None else head.bias.data[ids]
+    if int4:
+        rows = _HeadRows(head, ids)
+        return Int4Linear.from_parts(*quantize_int4(rows), tuple(rows.shape), bias)
     if isinstance(head, Int8Linear):
         return Int8Linear.from_int8(head.int8_rows(ids).contiguous(), head.weight_scale[ids].contiguous(), bias)
     sub = torch.nn.Linear(head.in_features, len(ids), bias=bias is not None, device=head.weight.device,
@@ -469,10 +486,18 @@ def _rows_of(head, ids: Tensor):
     return sub.requires_grad_(False)
 
 
-def check_draft_p_min(draft_p_min: float) -> None:
-    if isinstance(draft_p_min, bool) or not isinstance(draft_p_min, (int, float)) or not 0 <= draft_p_min <= 1:
-        raise InvalidRequestError(f"draft_p_min must be a number in [0, 1] (0 = off), got {draft_p_min!r}",
-                                  param="draft_p_min")
+class _HeadRows:
+    """Rows `ids` of a head's weight as float32, read a block at a time (what `quantize_int4` reads
+    from a `loader.StoredTensor`), so no float copy of a 151,936-row head is made."""
+
+    def __init__(self, head, ids: Tensor):
+        self.head, self.ids = head, ids
+        self.shape = (len(ids), head.in_features)
+
+    def read_into(self, start: int, out: Tensor) -> None:  # out: [rows, in] float32
+        from specdec.models.quant import linear_rows
+
+        out.copy_(linear_rows(self.head, self.ids[start : start + out.shape[0]]))
 
 
 def check_same_vocabulary(target_vocab: int, draft_vocab: int, target_tokenizer=None, draft_tokenizer=None) -> None:

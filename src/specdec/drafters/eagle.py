@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from specdec.drafters.base import (FINAL_HIDDEN, DrafterBase, DrafterNeeds, Proposal, check_k, common_prefix_length,
                                    draft_chain, draft_rows)
-from specdec.drafters.draft_model import DraftPool, check_draft_p_min
+from specdec.drafters.draft_model import DraftPool
 from specdec.errors import InvalidRequestError
 from specdec.models.kv_cache import KVCache
 from specdec.models.quant import linear_rows
@@ -295,7 +295,6 @@ class EagleDrafter(DrafterBase):
     needs = DrafterNeeds(observes=(FINAL_HIDDEN,), trees=True, model=True)
 
     def __init__(self, model: EagleModel, draft_p_min: float = 0.0):
-        check_draft_p_min(draft_p_min)
         self.model = model
         self.draft_p_min = float(draft_p_min)
         self._sampling = SamplingParams()

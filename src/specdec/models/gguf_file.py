@@ -160,3 +160,28 @@ def read_gguf(path: Path) -> GgufFile:
         data = mapped[begin : begin + nbytes].view(dtype).reshape(shape)
         tensors.append(GgufTensor(name, ggml_type, dims, data))
     return GgufFile(fields, tensors)
+
+
+# ggml block types that hold 4 bits a weight (plus per-block scales): what `quantize="int4"` keeps.
+_FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
+
+
+def layer_weight_bits(path: Path) -> int | None:
+    """4 when most of the decoder layers' matrix weights (by element count) are stored on a 4-bit
+    ggml type (a Q4_K_M file: Q4_K, with some Q6_K), 8 when most are on another quantised type
+    (Q5-Q8), None for float layers or a file without decoder layers. Reads the header only."""
+    four = other = floats = 0
+    for t in read_gguf(path).tensors:
+        if not t.name.startswith("blk.") or len(t.shape) != 2:
+            continue
+        elements = math.prod(t.shape)
+        name = t.tensor_type.name
+        if name in _FOUR_BIT_TYPES:
+            four += elements
+        elif name in ("F32", "F16", "BF16", "F64"):
+            floats += elements
+        else:
+            other += elements
+    if four + other <= floats:
+        return None
+    return 4 if four > other else 8

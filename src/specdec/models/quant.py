@@ -449,6 +449,16 @@ class Int8Embedding(Layer):
         return stored_rows(self.q, self.row_blocks, ids, self.embedding_dim).float() * self.scale[ids].unsqueeze(-1)
 
 
+def quantize_of(model: nn.Module) -> str:
+    """The `quantize` mode a loaded model runs in: "int4" when its decoder layers hold 4-bit
+    linears, "int8" when its head is int8, else "none"."""
+    layers = getattr(model, "layers", None)
+    scope = layers[0] if layers else model  # every layer is quantised alike
+    if any(isinstance(m, Int4Linear) for m in scope.modules()):
+        return "int4"
+    return "int8" if isinstance(getattr(model, "lm_head", None), Int8Linear) else "none"
+
+
 def cpu_int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 

@@ -39,6 +39,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..drafters.base import TreeShape
 from ..errors import InvalidRequestError, SpecdecError
 from ..models.transformer import Transformer
 from ..sampling import SamplingParams
@@ -74,6 +75,9 @@ class ServerSettings:
     device: str = "cpu"
     quantize: str = "none"
     tensor_parallel: int = 1  # ranks the target is split over (`models/tensor_parallel.py`)
+    # DEPTHxTOPKxBUDGET: the loaded drafters that draft trees (ngram, eagle, ngram+eagle) draft token
+    # trees of this shape in every batch (the budget shrinks with the load cap); the others chains.
+    draft_tree: str | None = None
 
 
 @dataclass
@@ -145,8 +149,12 @@ def create_app(settings: ServerSettings,
             model, tokenizer = load(settings)
             # Every drafter a request may name is loaded now, once (a draft model, an EAGLE head).
             drafters, default = serving_drafters(settings.drafter, model, tokenizer, draft_p_min=settings.draft_p_min)
+            trees = {}
+            if settings.draft_tree:
+                shape = TreeShape.parse(settings.draft_tree)
+                trees = {name: shape for name, d in drafters.items() if d is not None and d.needs.trees}
             scheduler = BatchScheduler(
-                model, tokenizer, drafter=default, drafters=drafters,
+                model, tokenizer, drafter=default, drafters=drafters, draft_trees=trees,
                 num_speculative_tokens=settings.num_speculative_tokens, max_batch=settings.max_batch,
                 max_queue=settings.max_queue, max_model_len=settings.max_model_len,
                 spec_token_budget=settings.spec_token_budget, prefill_chunk=settings.prefill_chunk,

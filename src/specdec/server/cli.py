@@ -29,6 +29,11 @@ def add_arguments(parser) -> None:
                              "by name with `speculative` (none, ngram, suffix, and eagle / draft_model and their "
                              "ngram+ / suffix+ combinations when one was loaded)")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
+    parser.add_argument("--draft-tree", metavar="DEPTHxTOPKxBUDGET", default=None,
+                        help="draft token trees of this shape (e.g. 3x2x6) in every batch with the loaded drafters "
+                             "that draft trees (ngram, eagle, ngram+eagle; --drafter must be one), their rows beside "
+                             "the others' chains; the budget shrinks with the load like a chain's k; a request's "
+                             "speculative.num_tokens 0 turns drafting off, another value sets chains' length only")
     parser.add_argument("--spec-token-budget", type=int, default=32,
                         help="tokens one batched forward may score: with n running requests each drafts at most "
                              "budget // n - 1 tokens (speculation fades out under load)")
@@ -55,8 +60,9 @@ def add_arguments(parser) -> None:
                              "int8) | float32 | bfloat16 | float16")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
-                        help="auto (default): int8 on the CPU when the weights come quantised (the default model, a "
-                             "named model, a .gguf file), else none")
+                        help="auto (default): on the CPU when the weights come quantised (the default model, a named "
+                             "model, a .gguf file), int4 where its layer weights are mostly 4-bit (Q4_K), else "
+                             "int8; none for float weights")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                         help="split the target over N processes (gloo on the CPU, NCCL on CUDA; README, Tensor "
                              "parallelism); the drafters run on rank 0; turns the prefix cache off (each rank "
@@ -115,13 +121,20 @@ def settings_from_args(args):
 
     # "auto": a named model's paired draft model (with its confidence cut-off), else prompt lookup.
     drafter, draft_p_min = resolve_drafter(args.drafter, args.model)
+    if args.draft_tree is not None:
+        from ..drafters.base import TreeShape
+        from ..engine import check_tree_drafter
+
+        TreeShape.parse(args.draft_tree)  # a malformed shape: one line, before the drafter's name
+        check_tree_drafter(drafter)
     return ServerSettings(model=args.model, served_model_name=name, drafter=drafter, draft_p_min=draft_p_min,
                           num_speculative_tokens=args.num_speculative_tokens, max_batch=args.max_batch,
                           max_queue=args.max_queue, max_model_len=args.max_model_len,
                           spec_token_budget=args.spec_token_budget, prefill_chunk=args.prefill_chunk,
                           prefix_cache_tokens=0 if args.tensor_parallel != 1 else args.prefix_cache_tokens,
                           speculation_control=args.speculation_control, api_key=args.api_key, dtype=args.dtype,
-                          device=args.device, quantize=args.quantize, tensor_parallel=args.tensor_parallel)
+                          device=args.device, quantize=args.quantize, tensor_parallel=args.tensor_parallel,
+                          draft_tree=args.draft_tree)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -153,8 +166,8 @@ def run(args) -> int:
     require("server", "specdec serve", *SERVER_MODULES)
     import uvicorn
 
-    from ..engine import (check_quantize, check_tensor_parallel, draft_model_path, resolve_device, resolve_dtype,
-                          resolve_quantize)
+    from ..engine import check_tensor_parallel, draft_model_path, resolve_device, resolve_dtype, resolve_quantize
+    from ..settings import DecodingSettings
     from ..models.loader import check_path
     from .app import create_app
 
@@ -165,7 +178,9 @@ def run(args) -> int:
     device = resolve_device(settings.device)
     quantize = resolve_quantize(settings.quantize, device, settings.model)
     resolve_dtype(settings.dtype, device, quantize)
-    check_quantize(quantize, device)
+    # The decoding options, validated once (one error line, before the port is bound).
+    DecodingSettings(quantize=quantize, device=device, num_speculative_tokens=settings.num_speculative_tokens,
+                     draft_tree=settings.draft_tree, draft_p_min=settings.draft_p_min)
     if settings.model != "default":
         check_path(settings.model)
     draft_model_path(settings.drafter)  # an unknown drafter or a missing path fails here
