@@ -35,7 +35,7 @@ DRAFT_LENGTHS = ("fixed", "adaptive", "cost")
 # drafts, in plain steps (see `CostAwareDraftLength`), fitted to timings of a pass over T tokens
 # against T = 1 (docs/archive/BENCHMARKS-history.md). float32 has an overhead: its matrix products
 # leave their one-row fast path at T = 2. int8 with the compiled kernels has none and grows slowly
-# in T. int4's one-token pass reads less, so each more scored token weighs more against it. A GPU
+# in T. int4 has a fit of its own (its one-token pass reads less, and its kernels differ). A GPU
 # scores a few tokens for about the price of one: the CUDA row is an estimate, not a fit.
 DEFAULT_VERIFY_COSTS = {  # (overhead, cost per draft token)
     "cpu": (0.5, 0.14),
