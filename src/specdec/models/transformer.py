@@ -303,8 +303,8 @@ class QueryBlocks(NamedTuple):
 
 def query_blocks(visible: Tensor, dtype: torch.dtype) -> QueryBlocks:
     """The plan of `blocked_attention` for `visible` [b, 1, T, S] bool. It depends on the mask
-    only, so a forward makes it once per mask and all its layers with that mask share it (a
-    700-token prefill of the default model spent ~4% of its time remaking it layer by layer)."""
+    only, so a forward makes it once per mask and all its layers with that mask share it (remade
+    layer by layer, it was a visible part of a long prefill)."""
     t = visible.shape[2]
     if t <= ATTENTION_QUERY_BLOCK:
         return QueryBlocks([slice(0, t)], [(0, visible.shape[3])], [additive_mask(visible, dtype)])
@@ -574,7 +574,7 @@ class Transformer(Layer):
         With 0 < last_n < T (a prefill), the last layer computes the last n rows by themselves: the
         earlier rows' keys and values still enter the cache, but only those rows attend and pass the
         MLP. A caller that needs no other row's hidden state (`need_hidden=False`: plain decoding and
-        the lookup drafters) skips the rest of the last layer, ~5% of a long prefill; one that does
+        the lookup drafters) skips the rest of the last layer, a part of a long prefill; one that does
         (a learned drafter) also gets every row computed as usual. Either way the logits, and the
         last n rows of `hidden`, come from that same computation, so the first token does not depend
         on the drafter (a rounding difference between the two ways could flip a near-tie).
