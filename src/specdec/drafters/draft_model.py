@@ -84,7 +84,7 @@ from specdec.sampling import SamplingParams, greedy_tokens, make_generator, proc
 VOCAB_SIZE_TOLERANCE = 128
 # Confidence cut-off used when none is given; 0 turns it off. A draft that is always right only
 # loses drafts to a cut-off; with a poor draft it limits the damage, but plain decoding was better
-# still (docs/archive/BENCHMARKS-history.md). So off by default; worth setting for a draft of uneven
+# still (a check on the default model and a cut copy of it). So off by default; worth setting for a draft of uneven
 # quality (a named pair sets its own).
 DEFAULT_DRAFT_P_MIN = 0.0
 _INITIAL_ROOM = 256  # cache slots beyond the prompt at `begin`; the cache doubles when full
