@@ -140,8 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         proc, url = start_server(args)
     try:
-        asyncio.run(run_level(url, prompts, "spec", 1, 1, args))  # warm-up
-        asyncio.run(run_level(url, prompts, "plain", 1, 1, args))
+        # Warm-up at the widest level, both modes: a server's first wide batches pay one-time costs
+        # (allocator growth, buffers sized by the batch) that would otherwise land in whichever level
+        # runs first.
+        for mode in ("spec", "plain"):
+            asyncio.run(run_level(url, prompts, mode, max(args.levels), max(args.levels), args))
         results: list[LevelResult] = []
         for c in args.levels:
             for _ in range(args.rounds):
