@@ -60,10 +60,10 @@ def _parser() -> argparse.ArgumentParser:
                           "step, -1 otherwise")
     gen.add_argument("--verify-cost", type=float, default=None,
                      help="with --draft-length cost: a verify pass over k drafts costs 1 + OVERHEAD + COST*k "
-                          "one-token passes; this is COST (default: measured for CPU float32, CPU int8 "
-                          "and CUDA; README, Draft length)")
+                          "one-token passes; this is COST (default: fitted per device and quantisation, "
+                          "policy.DEFAULT_VERIFY_COSTS)")
     gen.add_argument("--verify-overhead", type=float, default=None,
-                     help="... and this OVERHEAD (default: measured, as for --verify-cost)")
+                     help="... and this OVERHEAD (default: fitted, as for --verify-cost)")
     gen.add_argument("--tree", metavar="DEPTHxTOPKxBUDGET", default=None,
                      help="draft token trees instead of chains (eagle, ngram): DEPTH levels, up to TOPK "
                           "candidates per node, at most BUDGET nodes scored in one target pass, e.g. 4x3x12; "

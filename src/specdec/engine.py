@@ -210,10 +210,10 @@ def source_layer_bits(target: str) -> int | None:
 def resolve_quantize(quantize: str, device: str, target: str) -> str:
     """"auto" -> on the CPU (where the int8 products are available), for a source whose weights are
     already quantised: int4 when most of its layer weights are 4-bit (a Q4_K file: the int4 path
-    keeps their grid, reads 5/8 of int8's bytes, and measured as faithful to llama.cpp on the same
-    file as int8; README, Quantisation), where the compiled kernels are built; else int8 (a GGUF's
-    5-8 bit blocks: int8 keeps more than they hold, and runs ~5x faster than bfloat16 here). Float
-    weights are kept as they are (none)."""
+    keeps their grid, reads 5/8 of int8's bytes, and follows llama.cpp's tokens on the same file
+    about as closely as int8 does), where the compiled kernels are built; else int8 (a GGUF's 5-8
+    bit blocks: int8 keeps more than they hold, and runs several times faster than bfloat16).
+    Float weights are kept as they are (none)."""
     from .models import cpu_kernels
     from .models.quant import cpu_int8_available
 

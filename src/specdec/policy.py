@@ -32,14 +32,11 @@ from .errors import InvalidRequestError
 
 DRAFT_LENGTHS = ("fixed", "adaptive", "cost")
 # The cost-aware draft length's step-cost model, 1 + overhead + cost * k for a verify pass over k
-# drafts, in plain steps (see `CostAwareDraftLength`). Measured on the 2-core AVX2 CPU with the
-# default model (a pass over T tokens relative to T = 1): float32 1.73 at T = 2, 2.31 at T = 6, 2.60
-# at T = 9 after a 100-token context (its matrix products leave their one-row fast path); int8, with
-# the compiled CPU kernels, after a 400-token context: 1.02 at T = 2, 1.51 at T = 4, 1.88 at T = 6,
-# 2.16 at T = 9; int4 (Qwen2.5 1.5B), whose one-token pass reads less, so each more scored token
-# weighs more against it (docs/archive/BENCHMARKS-history.md; the int4 row from the T-token pass
-# timings of BENCHMARKS.md, Kernels). A GPU scores a few tokens for about one: the CUDA row is an
-# estimate, not yet measured on a GPU.
+# drafts, in plain steps (see `CostAwareDraftLength`), fitted to timings of a pass over T tokens
+# against T = 1 (docs/archive/BENCHMARKS-history.md). float32 has an overhead: its matrix products
+# leave their one-row fast path at T = 2. int8 with the compiled kernels has none and grows slowly
+# in T. int4 has a fit of its own (its one-token pass reads less, and its kernels differ). A GPU
+# scores a few tokens for about the price of one: the CUDA row is an estimate, not a fit.
 DEFAULT_VERIFY_COSTS = {  # (overhead, cost per draft token)
     "cpu": (0.5, 0.14),
     "cpu-int8": (0.0, 0.16),
@@ -47,9 +44,8 @@ DEFAULT_VERIFY_COSTS = {  # (overhead, cost per draft token)
     "cuda": (0.0, 0.03),
 }
 # The output head's share of that per-token cost, which greedy screening pays only for rows up to
-# the first rejection (`CostAwareDraftLength.screened_share`). int8, 400-token context: the head
-# grows by ~0.07-0.08 plain steps a row and the rest of the pass by ~0.075-0.095 (docs/archive/BENCHMARKS-history.md,
-# 3 December, evening and night).
+# the first rejection (`CostAwareDraftLength.screened_share`). For int8 the head is a little under
+# half of what each more row costs (docs/archive/BENCHMARKS-history.md).
 SCREENED_SHARE = {"cpu-int8": 0.45}
 # The price of a model drafter's token, in plain target steps, before any has been measured, and
 # for seeded sampled rows (whose k must not depend on timings): optimistic, so the first step
@@ -68,9 +64,9 @@ def hardware_kind(model) -> str:
 
 
 def default_draft_length(draft_length: str | None, tree) -> str:
-    """None means the measured best: "cost" for chains (docs/archive/BENCHMARKS-history.md, Spec-Bench mix on the int8
-    target, 2-core CPU: prompt lookup 1.77x plain with it, 1.60x with a fixed k = 5; a tie in
-    float32); a tree has a fixed shape."""
+    """None means the best measured: "cost" for chains (prompt lookup on the Spec-Bench mix was
+    faster with it than with a fixed k on the int8 target, and even in float32;
+    docs/archive/BENCHMARKS-history.md); a tree has a fixed shape."""
     if draft_length is not None:
         return draft_length
     return "fixed" if tree is not None else "cost"

@@ -230,8 +230,8 @@ def greedy_tokens(logits: Tensor) -> list[int]:
     `torch.argmax`. logits: Tensor  # [rows, vocab]
 
     On the CPU in float32 this is the compiled kernel's two vectorised passes (`argmax_rows` in
-    models/cpu_kernels.cpp): 37 against 277 us a row over Gemma 3's 262k logits here, which every
-    greedy step, plain or speculative, and a greedy model drafter's every draft token run.
+    models/cpu_kernels.cpp), several times faster than torch.argmax over a large vocabulary; every
+    greedy step, plain or speculative, and a greedy model drafter's every draft token run it.
     """
     if logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0:
         from .models import cpu_kernels

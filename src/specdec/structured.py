@@ -95,7 +95,7 @@ class StructuredSpec:
 
 
 class GrammarTokens:
-    """The model's tokenizer as llguidance sees it, built once per engine (~1 s for a big
+    """The model's tokenizer as llguidance sees it, built once per engine (slow for a big
     vocabulary): its `LLTokenizer`, and which ids may ever be allowed (no special token but EOS)."""
 
     def __init__(self, tokenizer_json: str, vocab: int, eos_ids, param: str = "response_format"):

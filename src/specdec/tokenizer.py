@@ -69,9 +69,9 @@ class Tokenizer:
 
     Two routes to the same ids. Where tokenizer.json says everything (no chat template, and
     tokenizer_config.json sets nothing that transformers acts on: `_rust_only`), the Rust
-    `tokenizers` library reads it directly, as transformers itself would end up doing. For
-    Gemma's 262k-token vocabulary that took ~1.5 s and kept ~100 MB, against ~4.5 s and ~150 MB
-    through transformers, which also imports ~50 MB of its own modules first. Any other folder
+    `tokenizers` library reads it directly, as transformers itself would end up doing, in less time
+    and memory than through transformers, which also imports many modules of its own first (it
+    matters for a large vocabulary such as Gemma's 262k tokens). Any other folder
     (chat templates, slow-only tokenizers, options) goes through transformers' AutoTokenizer.
     """
 

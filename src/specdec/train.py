@@ -107,7 +107,7 @@ ITEMS = ["apples", "books", "marbles", "stickers", "pencils", "cookies", "stamps
 def local_texts(limit_files: int = 4000) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
     """(function name, docstring) pairs from the standard library and prose paragraphs from
     installed packages' docs, in a deterministic order. Cached: a scan parses a few thousand files
-    (~11 s here) and seeds, text data and the sub-vocabulary all read it."""
+    and seeds, text data and the sub-vocabulary all read it."""
     import sysconfig
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -210,10 +210,9 @@ def text_data(target, tokenizer, positions: int, window: int, rng: random.Random
     and every position's feature is kept, up to `positions` positions in all.
 
     EAGLE trains on a fixed corpus's features; this is that, from what the machine holds. It costs
-    only the target's layers (no output head, no decoding loop): ~420 positions/s on a busy 2-core
-    CPU for Gemma 3 270M in float32, against ~80 (seed and continuation together) for batched
-    greedy generation, so it buys the head far more varied contexts per minute. (Measured on the
-    default model: it did not raise the head's accuracy on new questions; docs/archive/BENCHMARKS-history.md.)
+    only the target's layers (no output head, no decoding loop), several times more positions per
+    second than batched greedy generation, so it buys the head far more varied contexts per minute.
+    (On the default model it did not raise the head's accuracy on new questions; docs/archive/BENCHMARKS-history.md.)
     """
     pieces = local_pieces()
     rng.shuffle(pieces)
@@ -454,7 +453,7 @@ def model_sequence_loss(draft, head_rows: Tensor, softcap: float | None, tokens:
     between the two features (scaled by the features' std: a dense signal, and equal features
     mean equal logits) + `token_weight` x cross-entropy against the target's distribution over the
     sub-vocabulary `head_rows` [Vd, h] (its output rows: the full 262k-row head would make a step
-    of a 4-layer Gemma 3 270M draft ~7x slower, and the frozen head maps a matched feature to
+    of a 4-layer Gemma 3 270M draft several times slower, and the frozen head maps a matched feature to
     matched logits everywhere).
     """
     t = len(tokens) - 1

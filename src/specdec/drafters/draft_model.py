@@ -82,11 +82,10 @@ from specdec.sampling import SamplingParams, greedy_tokens, make_generator, proc
 # Padding differences seen in practice are up to 128 ids (e.g. Qwen2.5 sizes); llama.cpp uses the
 # same bound for its draft-model check.
 VOCAB_SIZE_TOLERANCE = 128
-# Confidence cut-off used when none is given; 0 turns it off. Measured on the default model (Gemma 3
-# 270M, fp32, 32 tokens, k=5): its only same-vocabulary draft is itself, which is always right, so a
-# cut-off only shortens drafts (0: 9.9 tok/s; 0.5: 7.0; 0.8: 6.1). With a poor draft (the same model
-# minus 6 of 18 layers, 3% accepted) it limits the damage (0: 2.3 tok/s; 0.5: 5.4) but plain decoding
-# (11.6) is better still. So off by default; worth setting for a draft of uneven quality.
+# Confidence cut-off used when none is given; 0 turns it off. A draft that is always right only
+# loses drafts to a cut-off; with a poor draft it limits the damage, but plain decoding was better
+# still (a check on the default model and a cut copy of it). So off by default; worth setting for a draft of uneven
+# quality (a named pair sets its own).
 DEFAULT_DRAFT_P_MIN = 0.0
 _INITIAL_ROOM = 256  # cache slots beyond the prompt at `begin`; the cache doubles when full
 _SAMPLE_IDS = 512  # ids whose spelling is compared between the two tokenizers

@@ -510,8 +510,8 @@ class EagleDrafter(DrafterBase):
         Sampling: q is `process_logits` of the logits with the request's params, where ids outside
         the sub-vocabulary have logit -inf. Processing the Vd finite logits and scattering the
         result into zeros is the same thing (an -inf logit gets probability 0 at every stage and
-        never changes a top-k / top-p / min-p threshold of the finite ones), and ~30x cheaper
-        for Gemma.
+        never changes a top-k / top-p / min-p threshold of the finite ones), and far cheaper
+        where the target's vocabulary is many times the sub-vocabulary.
         """
         if self._sampling.greedy:
             if self.draft_p_min > 0 and float(logits.softmax(-1).max()) < self.draft_p_min:

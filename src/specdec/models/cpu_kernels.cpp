@@ -1,15 +1,13 @@
 // specdec's CPU kernels: the small per-token steps of a decoding pass, as plain loops.
 //
-// Why they exist. A decoding step of Gemma 3 270M on a 2-core CPU runs ~900 PyTorch ops, most on
-// vectors of a few hundred floats, and each op costs 3-40 microseconds of dispatch: more than the
-// arithmetic. These functions do the same math in one call each. Every function works row by row,
+// Why they exist. A decoding step of Gemma 3 270M runs ~900 PyTorch ops, most on vectors of a few
+// hundred floats, and each op's dispatch costs more than its arithmetic. These functions do the same math in one call each. Every function works row by row,
 // so a row's result never depends on the other rows in the call (what greedy speculative decoding
 // needs: a verify pass over k + 1 tokens must compute what k + 1 one-token passes compute).
 // Compiled at first use by `cpu_kernels.py`; the Python paths they replace stay as the reference.
 
 // ATen and the pybind11 Tensor type caster only: torch/extension.h adds all of libtorch's C++ API
-// (autograd, nn, optim), whose headers alone took ~28 s of a ~34 s build and 1.5 GB of compiler
-// memory here; with these the build takes ~19 s and ~1 GB.
+// (autograd, nn, optim), whose headers alone were most of the build's time and compiler memory.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
@@ -145,8 +143,8 @@ inline float row_int16(const float* row, int64_t k, int64_t kp, int16_t* v) {
 constexpr int64_t kBlockK = 2048;
 constexpr int64_t kBlockM = 48;  // rows of x a thread keeps hot while it streams the weights
 // Up to this many rows, int8_linear widens the weights in registers (`direct_rows`) rather than once
-// into a buffer. Measured faster or equal for 1-32 rows here, and slower from 40 rows on
-// (docs/archive/BENCHMARKS-history.md, 2026-12-05 morning).
+// into a buffer: faster or equal up to this many rows, slower from about 40 on
+// (docs/archive/BENCHMARKS-history.md).
 constexpr int64_t kDirectRows = 32;
 
 // The one output formula (exact integer sum -> float).
@@ -164,9 +162,8 @@ constexpr int64_t kParallelRows = 64;
 // x [..., k] float32 on the int16 grid: n rows of kp inputs at `v` and their c. The block starts on a
 // 64-byte boundary, so every row and every 16-input step starts on a 32-byte one (kp is a multiple
 // of 16): an AVX2 load of 16 inputs never straddles two cache lines. With malloc's 16-byte alignment
-// half of them did, and such a load costs two: a stand-alone loop of 3 rows by 2 weight rows ran
-// 0.96 against 1.29 multiply-adds a cycle, and the model's products of 3-9 rows (verify passes)
-// took 10-18% less time aligned (docs/archive/BENCHMARKS-history.md, 2026-12-05 night).
+// half of them did, and such a load costs two, which the products of 3-9 rows (verify passes)
+// showed plainly (docs/archive/BENCHMARKS-history.md).
 struct GridRows {
   std::vector<int16_t> storage;
   int16_t* v = nullptr;
@@ -208,7 +205,7 @@ __attribute__((always_inline)) inline void block_sums(const int16_t* w, const in
   for (int64_t i = k0; i < k1; i += 16) {
     // Widened weights from L1 as the multiply's memory operand, each input row loaded once into a
     // register: 2 + 8 loads for 8 multiply-adds. (The empty asm keeps GCC from re-loading the
-    // input rows at every use instead, 14 loads, which measured ~25% slower.)
+    // input rows at every use instead, 14 loads, which was clearly slower.)
     __m256i xv[MT];
     for (int m = 0; m < MT; ++m) {
       xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + m * kp + i));
@@ -274,9 +271,8 @@ __attribute__((always_inline)) inline void direct_tile(const int8_t* w, const in
 
 // Rows [m0, m1) of v against NC weight rows, in ceil(rows / 6) passes of near-equal size (5 -> 5,
 // 9 -> 5 + 4): each pass widens the same weights again, so a short last pass would pay for them
-// almost alone. Up to 6 rows a pass (12 accumulators for NC = 2): against 4, the model's products
-// of 5 and 9 rows (verify passes) took 5-10% less time, 6 rows ~3%, and 2-4 rows are unchanged
-// (docs/archive/BENCHMARKS-history.md, 2026-12-05 midday). Only the first pass asks for the weights `ahead`.
+// almost alone. Up to 6 rows a pass (12 accumulators for NC = 2): against 4, the products of 5 to
+// 9 rows (verify passes) gain and 2-4 rows are unchanged (docs/archive/BENCHMARKS-history.md). Only the first pass asks for the weights `ahead`.
 template <int NC>
 inline void direct_rows(const int8_t* w, const int16_t* v, int64_t kp, int64_t m0, int64_t m1, const float* c,
                         const float* ws, const float* bias, float* out, int64_t ldo, int64_t valid, const int8_t* ahead) {
@@ -346,9 +342,8 @@ __attribute__((always_inline)) inline void tile(const int16_t* w, const int16_t*
 // bits. The lanes add in int32 and may wrap in between: S itself fits (|S| < 2^31 over a block of
 // 2048 inputs, above), so the wrapped arithmetic ends on it exactly.
 // Why: each output's sum builds up in its own lane, so no lane is summed across at the end, and no
-// weight is widened to 16 bits first. Measured here (2-core Zen 4), the default model's products
-// against the row-major kernels: 1-3 rows (decode) the same, 5 rows 18% and 9 rows 26% less time,
-// a 688-row prefill ~10% less (docs/archive/BENCHMARKS-history.md, 2026-12-06).
+// weight is widened to 16 bits first. Against the row-major kernels: decode rows the same, verify
+// passes and prefills faster (docs/archive/BENCHMARKS-history.md).
 constexpr int64_t kPackRows = 16;
 constexpr int64_t kPackedPassRows = 9;  // rows a pass: 18 sums + the weights in the 32 registers
 // From this many rows on, a packed product (int8 and int4) asks for the next 16-row block's weights
@@ -645,7 +640,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor ws, c10::optional<
 #if defined(__AVX2__)
         if (n <= kDirectRows) {
           // Two columns at a time; the first pass over them asks for the same two columns of the
-          // tile two ahead (~2 x 0.5 us of multiply-adds for 9 rows: far enough to hide the latency).
+          // tile two ahead (two tiles of multiply-adds: far enough to hide the latency).
           for (int64_t h = 0; h < 4 && h < valid; h += 2) {
             const int8_t* ahead = w + (8 + h) * kp;
             direct_rows<2>(w + h * kp, v, kp, m0, m1, c, wss + col + h, bcol ? bcol + h : nullptr,
@@ -654,7 +649,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor ws, c10::optional<
           continue;
         }
         // A prefill reuses each tile for up to kBlockM rows: one line two tiles ahead was faster
-        // here than the whole next tile (688 rows: ~1.4 against ~1.7 s for the model's pass).
+        // than the whole next tile.
         _mm_prefetch(reinterpret_cast<const char*>(w + 8 * kp), _MM_HINT_T0);
         for (int64_t i = 0; i < 4 * kp; i += 16)
           _mm256_store_si256(reinterpret_cast<__m256i*>(wide + i), widen(w + i));
@@ -1135,8 +1130,8 @@ inline __m256 exp_lanes(__m256 v) {
 
 // GELU with the tanh approximation, 0.5 g (1 + tanh(z)) with z = sqrt(2 / pi) (g + 0.044715 g^3),
 // written as g / (1 + exp(-2 z)) (the same function: 1 + tanh(z) = 2 / (1 + exp(-2 z))), which
-// needs one exp and keeps its accuracy where tanh(z) is near -1. PyTorch's tanh took ~2 ns an
-// element here, a third of a prefill's non-matrix time.
+// needs one exp and keeps its accuracy where tanh(z) is near -1. PyTorch's tanh was a large share
+// of a prefill's non-matrix time.
 inline float gelu_tanh_lane(float g) {
   const float u = g + 0.044715f * (g * g * g);
   return g / (1.0f + exp_lane(-1.5957691216057308f * u));
@@ -1237,8 +1232,8 @@ at::Tensor rope_write(at::Tensor qk, at::Tensor v, at::Tensor cos, at::Tensor si
 // The argmax of each row of x [n, V] float32, as torch.argmax gives it: the lowest index among
 // equal maxima, and the first NaN where a row has one (torch orders NaN above every number).
 // Two passes over the row, 8 lanes at a time: its maximum (max is exact, so its order does not
-// matter), then the first index holding it. torch's took ~1.1 ns an element here, ~0.3 ms for
-// one row of Gemma 3's 262k logits, at every decoding step.
+// matter), then the first index holding it. torch's is several times slower, over a large
+// vocabulary's logits at every decoding step.
 at::Tensor argmax_rows(at::Tensor x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0, "argmax_rows: x must be [n, V] float32, V > 0");
   x = x.contiguous();
@@ -1310,7 +1305,7 @@ at::Tensor argmax_rows(at::Tensor x) {
 // row's result is what its own slots alone give.
 
 // 64 slots a chunk: a 300-slot context gives 5 work items per key head for a one-token step, which
-// the two threads here share 3 : 2; with 128-slot chunks it was 2 : 1, with the last chunk short.
+// two threads share 3 : 2; 128-slot chunks would give 2 : 1, with the last chunk short.
 constexpr int64_t kChunk = 64;
 constexpr int64_t kRowsPerItem = 4;
 
@@ -1323,7 +1318,7 @@ constexpr int64_t kRowsPerItem = 4;
 // once, front to back, for the four: its 64-byte lines stream in order, which keeps a cold key
 // cache (one layer's keys are evicted by the weights that stream between two of its passes) at
 // the memory's speed. Two key rows a call, read interleaved, ran faster from the cache and slower
-// from memory (docs/archive/BENCHMARKS-history.md, 2026-12-05, night II).
+// from memory (docs/archive/BENCHMARKS-history.md).
 inline void scores_4x1(const float* const* q, const float* k, int64_t d, float* out) {
   const int64_t d8 = d - d % 8, d16 = d - d % 16;
 #if defined(__AVX2__)
@@ -1608,7 +1603,7 @@ enum LayerPart {
 
 // Block.forward on its compiled path, in one call: the same kernels in the same order on the same
 // tensors, so the same bits, without ~100 Python-level steps a layer (attribute lookups, module
-// calls, views), ~1.5 ms of a ~14 ms int8 step of Gemma 3 270M on this project's CPU.
+// calls, views), a visible share of a small model's int8 step.
 // x: [b, T, h] float32 with T <= the row attention's limit; sizes: heads, kv_heads, head_dim and the
 // four projections' output sizes; eps, qk_eps, scale (attention's score factor); gelu_tanh.
 at::Tensor decoder_layer(at::Tensor x, std::vector<c10::optional<at::Tensor>> p, std::vector<int64_t> sizes,

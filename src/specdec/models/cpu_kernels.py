@@ -1,13 +1,12 @@
 """specdec's compiled CPU kernels (`cpu_kernels.cpp`), built once per machine (and checkout) at first use.
 
 A decoding step on a small model is mostly dispatch: Gemma 3 270M's int8 step ran ~900 PyTorch ops,
-and on this project's 2-core CPU the int8 input preparation and the RMSNorms alone cost ~14 ms of a
-~35 ms step. The C++ file does the same row-by-row math in one call per op: Int8Linear's input
+and the int8 input preparation and the RMSNorms alone took a large share of the step. The C++ file does the same row-by-row math in one call per op: Int8Linear's input
 planes and rescaling (and chosen output columns alone), RMSNorm, a block's residual step with its norms, the rotary embedding with
-the cache write, and the gated MLP activation (measured here: an int8 step from ~37 to ~24 ms), and
+the cache write, and the gated MLP activation, and
 a decode or verify block's whole decoder layer in one call of those (`decoder_layer`). It
 is compiled with PyTorch's own extension builder into the specdec cache (`SPECDEC_CACHE`, default
-~/.cache/specdec/kernels; ~20 s the first time, then a load of milliseconds).
+~/.cache/specdec/kernels; a compile the first time, then a quick load).
 
 Where it cannot be built (no C++ compiler, or `SPECDEC_CPU_KERNELS=0`), `load()` returns None and
 callers keep their pure-PyTorch paths, which compute the same thing.
@@ -77,7 +76,7 @@ def cpu_signature() -> str:
 
 def build_dir() -> Path:
     # The source's path too: the build files name it, so two checkouts sharing one folder would
-    # each see the other's build as stale and recompile (~40 s) at every switch between them.
+    # each see the other's build as stale and recompile at every switch between them.
     text = (SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode()
             + str(SOURCE.resolve()).encode() + cpu_signature().encode())
     return cache_root() / "kernels" / hashlib.sha256(text).hexdigest()[:16]

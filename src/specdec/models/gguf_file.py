@@ -1,7 +1,7 @@
 """The parts of a GGUF file the conversion needs: its scalar metadata and its tensors, mapped.
 
 gguf's own `GGUFReader` builds a NumPy view for every part of every metadata value. For a 262k-token
-vocabulary that is millions of small arrays: ~18 s and ~0.9 GB for Gemma 3 270M's file, all for
+vocabulary that is millions of small arrays, costing seconds and most of a gigabyte, all for
 the tokenizer arrays, which the conversion does not read (transformers builds the tokenizer from
 the file itself). This reader walks the same layout (GGUF v2/v3, little-endian) with `struct`,
 steps over arrays of strings without keeping them, and maps the tensor data without copying.

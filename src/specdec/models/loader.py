@@ -362,8 +362,8 @@ def _check_weights(model: Transformer, state: dict) -> set[str]:
 def _skeleton():
     """Build modules on the meta device without running their random initialisers (PyTorch's own
     `nn.init` functions, swapped for no-ops meanwhile): the weights are about to be replaced, and
-    initialising a meta tensor runs PyTorch's Python decompositions, whose first use imports ~900
-    modules (measured: ~75 MB resident for the life of the process). Loads run on one thread."""
+    initialising a meta tensor runs PyTorch's Python decompositions, whose first use imports hundreds
+    of modules that stay resident for the life of the process. Loads run on one thread."""
     from torch.nn import init
 
     names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "xavier_uniform_",
@@ -563,7 +563,7 @@ def _gguf_tokenizer(path: Path, out: Path, model_type: str) -> None:
     """Build an HF tokenizer from the GGUF metadata (transformers knows the format) and save it.
 
     Naming the tokenizer's type (`model_type`) spares transformers a second reading of the whole
-    file for the model's config (~20 s for Gemma 3 270M's, with gguf's reader); the tokenizer is
+    file for the model's config (slow for a large vocabulary with gguf's reader); the tokenizer is
     the same byte for byte (tests/test_models.py). Where transformers has no tokenizer class under
     that name (Llama's in transformers 5), it reads the config as before."""
     import logging
@@ -643,7 +643,7 @@ def resolve(source: str | os.PathLike, progress=None) -> Path:
 def release_freed_memory() -> None:
     """Hand memory freed by a load back to the system. glibc keeps freed blocks for reuse, so the
     temporaries of reading a tokenizer or quantising a model would otherwise stay in the process's
-    resident set for its whole life (measured with Gemma 3 270M: ~200 MB after its tokenizer)."""
+    resident set for its whole life (a large share of the process after a big tokenizer)."""
     import ctypes
 
     try:

@@ -5,8 +5,7 @@ Gemma 3 270M spends most of them in its 262144 x 640 output head. int8 weights r
 float32's bytes and half of bfloat16's. PyTorch's CPU kernel that reads int8 weights fastest is
 fbgemm's dynamic-quantisation linear, whose time barely grows from 1 to 8 rows: exactly what a
 verify pass of k + 1 tokens needs. (float32 and bfloat16 matrix products grow about linearly with
-the rows on an AVX2 CPU: measured here, the output head takes ~100 ms for 1 row and ~450 ms for 8
-in float32, against ~20 ms and ~50 ms with this int8 path.)
+the rows on an AVX2 CPU, which would make every drafted row nearly as dear as a step of its own.)
 
 The catch, and how it is closed. That kernel quantises its whole input with one scale, so a row's
 result would depend on the other rows in the call: a verify pass over k + 1 tokens would not compute
@@ -25,8 +24,8 @@ packed with unit scales, so each plane's sum comes back as an exact integer); th
 `int8_linear` (cpu_kernels.cpp) puts v = 126 high + low in one int16 and needs one multiply-add per
 weight instead of two. Both yield the same exact S = sum_i w_i v_i and the one output formula
 float(S) * (s_r / 126) * w_scale (+ bias), so they agree bit for bit. The compiled kernel is used
-wherever it is built (measured here: 1.3-3.7x fbgemm per layer for 1-9 rows, faster for a prefill,
-and, since it prefetches each next weight tile, as fast as fbgemm for one or two rows of Gemma's
+wherever it is built (faster than fbgemm per layer for the few rows of a step or a verify pass and
+for a prefill, and, since it prefetches each next weight tile, as fast as fbgemm for one or two rows of Gemma's
 262144 x 640 output head, which saves fbgemm's packed copy of it); fbgemm is the path without it,
 and the reference the tests hold it to.
 
@@ -75,8 +74,8 @@ def quantize_rows(weight, scratch: Tensor | None = None) -> tuple[Tensor, Tensor
 
     Works through blocks of rows in one float32 scratch buffer (`scratch`, flat, or made here), with
     in-place ops only, so quantising the 262k-row output head needs 16 MiB of temporaries and leaves
-    no freed blocks behind to swell the process (fresh temporaries per block did: measured up to
-    ~0.5 GB of extra peak while loading Gemma 3 270M). `weight` is a tensor, or a
+    no freed blocks behind to swell the process (fresh temporaries per block did, by a good part of
+    the model's size at peak). `weight` is a tensor, or a
     `loader.StoredTensor`, whose rows are read from disk into the buffer: a load never holds the
     float table. Each row's result depends on that row alone, so quantising parts and stacking
     them equals quantising the stacked matrix (`Int8Linear.concat`).
@@ -94,8 +93,8 @@ def quantize_rows(weight, scratch: Tensor | None = None) -> tuple[Tensor, Tensor
             w.copy_(weight[start:stop])
         else:
             weight.read_into(start, w)
-        # max |w| of each row. (amax and amin apart: torch.aminmax over rows took ~11x as long
-        # here, half of an int8 load of Gemma 3 270M; the extremes are exact either way.)
+        # max |w| of each row. (amax and amin apart: torch.aminmax over rows is many times slower,
+        # enough to dominate an int8 load; the extremes are exact either way.)
         s = torch.maximum(w.amax(dim=1), w.amin(dim=1).neg_(), out=scale[start:stop])
         s.div_(127).clamp_(min=torch.finfo(torch.float32).tiny)
         q[start:stop].copy_(w.div_(s[:, None]).round_().clamp_(-127, 127))
@@ -300,8 +299,8 @@ def _int4_steps(wg: Tensor, low: Tensor) -> Tensor:
     quantiser picks its step and minimum to fit the weights, not to span 15 steps. Where a group's
     weights lie on such a grid, its step is taken (the smallest distance above the minimum, or a
     half or third of it), and the 4-bit values then give back the file's weights up to the float16
-    rounding of step and minimum (measured on Qwen2.5-Coder 1.5B's Q4_K_M file: 0.07% relative
-    error against 4.4% for (max - min) / 15). Other groups take (max - min) / 15.
+    rounding of step and minimum (on a Q4_K_M file, a small fraction of the error that
+    (max - min) / 15 leaves). Other groups take (max - min) / 15.
     """
     dist = wg - low[:, :, None]
     span = dist.amax(dim=2)

@@ -279,7 +279,8 @@ class Attention(Layer):
             q, visible, t, plan = q[:, :, t - keep :], visible[:, :, t - keep :], keep, None
         if kernels is not None and t <= ROW_ATTENTION_MAX_T:
             # Decode and verify blocks: each query row by itself, so a verify row is bit-identical to
-            # the one-token step it stands for (cpu_kernels.cpp, `attention`), and ~5x faster here.
+            # the one-token step it stands for (cpu_kernels.cpp, `attention`), and faster than SDPA
+            # for these few rows.
             out = kernels.attention(q, cache.keys[layer], cache.values[layer], visible, self.scale)
             return self.o_proj(out)
         span = visible.shape[-1]
@@ -302,8 +303,8 @@ class QueryBlocks(NamedTuple):
 
 def query_blocks(visible: Tensor, dtype: torch.dtype) -> QueryBlocks:
     """The plan of `blocked_attention` for `visible` [b, 1, T, S] bool. It depends on the mask
-    only, so a forward makes it once per mask and all its layers with that mask share it (a
-    700-token prefill of the default model spent ~4% of its time remaking it layer by layer)."""
+    only, so a forward makes it once per mask and all its layers with that mask share it (remade
+    layer by layer, it was a visible part of a long prefill)."""
     t = visible.shape[2]
     if t <= ATTENTION_QUERY_BLOCK:
         return QueryBlocks([slice(0, t)], [(0, visible.shape[3])], [additive_mask(visible, dtype)])
@@ -324,8 +325,8 @@ def blocked_attention(q: Tensor, keys: Tensor, values: Tensor, plan: QueryBlocks
     slots its rows can see at all (`plan`, from `query_blocks`).
 
     q: [b, H, T, d]; keys, values: [b, KV, S, d] -> [b, H, T, d]. A causal prefill then skips the
-    keys after each block, and a sliding-window layer also the keys before its window: a 693-token
-    prefill of the default model spends ~30% less time in attention (docs/archive/BENCHMARKS-history.md, 2026-12-05).
+    keys after each block, and a sliding-window layer also the keys before its window, so a long
+    prefill spends much less time in attention (docs/archive/BENCHMARKS-history.md).
     Leaving out slots that no row of the block sees changes no softmax, only the order of float
     sums, so the output agrees with one SDPA call to rounding.
     """
@@ -341,8 +342,8 @@ def additive_mask(visible: Tensor, dtype: torch.dtype) -> Tensor:
     """A boolean attention mask as the additive one SDPA applies (0 where visible, -inf elsewhere).
 
     The same scores and softmax (SDPA adds exactly this for a boolean mask), but given a float mask
-    PyTorch's CPU kernel skips its own conversion: a 128-query block of the default model over 640
-    slots took 2.4 instead of 2.9 ms here (docs/archive/BENCHMARKS-history.md, 2026-12-05 afternoon).
+    PyTorch's CPU kernel skips its own conversion, a noticeable part of a prefill block's attention
+    (docs/archive/BENCHMARKS-history.md).
     """
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
@@ -430,13 +431,13 @@ class Block(Layer):
         Remembered while this block holds the same modules, they hold the same weight tensors and
         the norms' weights have not changed in place (version counters): the projections' values
         may change in place, as the kernel reads them as they are. The check reads the module
-        dicts directly: nn.Module's attribute lookup costs ~1-2 us here, and building the arguments
-        through it ~40 us a layer, ~0.8 ms of a ~14 ms step.
+        dicts directly: nn.Module's attribute lookup, repeated for every argument of every layer,
+        was a visible share of a small model's step.
 
         While no module in the process has registered a weight or submodule since (`_registrations`)
         and the norms' weights have the same version counters, the memo stands without walking the
-        modules again: reading them took ~0.4 ms of a one-token forward on a Zen 4 (docs/archive/BENCHMARKS-history.md,
-        2026-12-05 evening). A change made around the registration (`module.__dict__`, `del`)
+        modules again: reading them was a visible share of a one-token forward
+        (docs/archive/BENCHMARKS-history.md). A change made around the registration (`module.__dict__`, `del`)
         is not seen by that check.
         """
         if cache_keys.dtype != torch.float32:
@@ -573,7 +574,7 @@ class Transformer(Layer):
         With 0 < last_n < T (a prefill), the last layer computes the last n rows by themselves: the
         earlier rows' keys and values still enter the cache, but only those rows attend and pass the
         MLP. A caller that needs no other row's hidden state (`need_hidden=False`: plain decoding and
-        the lookup drafters) skips the rest of the last layer, ~5% of a long prefill; one that does
+        the lookup drafters) skips the rest of the last layer, a part of a long prefill; one that does
         (a learned drafter) also gets every row computed as usual. Either way the logits, and the
         last n rows of `hidden`, come from that same computation, so the first token does not depend
         on the drafter (a rounding difference between the two ways could flip a near-tie).
