@@ -7,7 +7,7 @@ turn of a conversation goes to one replica; without it each turn goes to a repli
 request id. Fresh replicas for every run (the app is deleted and deployed again), order A B B A.
 Acceptance = accepted / drafted tokens, summed over the replicas' /metrics.
 Usage: python scripts/ray_affinity.py   (needs the ray extra)"""
-import asyncio, os, re, sys, time
+import asyncio, os, re, time
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import httpx
 import ray
