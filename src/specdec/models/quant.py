@@ -450,7 +450,10 @@ class Int8Embedding(Layer):
 
 def quantize_of(model: nn.Module) -> str:
     """The `quantize` mode a loaded model runs in: "int4" when its decoder layers hold 4-bit
-    linears, "int8" when its head is int8, else "none"."""
+    linears, "int8" when its head is int8, else "none". A split target (`tensor_parallel`'s
+    ParallelTarget, not a module) answers for its rank-0 shard, `.model`."""
+    if not isinstance(model, nn.Module):
+        model = model.model
     layers = getattr(model, "layers", None)
     scope = layers[0] if layers else model  # every layer is quantised alike
     if any(isinstance(m, Int4Linear) for m in scope.modules()):
