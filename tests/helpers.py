@@ -66,3 +66,24 @@ def make_char_tokenizer(folder) -> None:
     tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% endfor %}"
                          "{% if add_generation_prompt %}<assistant>{% endif %}")
     tok.save_pretrained(str(folder))
+
+
+def pooled_chisquare_p(counts: dict, cells, probs, samples: int) -> float:
+    """The chi-square p-value of sampled `counts` (cell -> samples) against exact probabilities
+    (`probs[i]` of `cells[i]`): cells expected fewer than 5 times are pooled into one, so the
+    chi-square approximation holds; the expected counts are scaled to the observed total."""
+    from scipy.stats import chisquare
+
+    observed, expected, rest_obs, rest_exp = [], [], 0, 0.0
+    for c, pr in zip(cells, probs):
+        if pr * samples >= 5:
+            observed.append(counts.get(c, 0))
+            expected.append(pr * samples)
+        else:
+            rest_obs += counts.get(c, 0)
+            rest_exp += pr * samples
+    if rest_exp > 0:
+        observed.append(rest_obs)
+        expected.append(rest_exp)
+    scale = sum(observed) / sum(expected)
+    return chisquare(observed, [e * scale for e in expected]).pvalue

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdec import Engine, SamplingParams
 from specdec.drafters import DraftModelDrafter, Drafter
@@ -20,7 +19,7 @@ from specdec.models import loader
 from specdec.models.transformer import ModelConfig, RopeSpec, Transformer
 from specdec.sampling import make_generator, process_logits, sample
 
-from helpers import TINY_VOCAB as V, make_tiny_hf, random_prompts as prompts
+from helpers import TINY_VOCAB as V, make_tiny_hf, pooled_chisquare_p, random_prompts as prompts
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -368,19 +367,7 @@ def chi_square_p(target, params, counts: dict, strict: bool = True) -> float:
     exact joint distribution; with `strict`, no sample may fall in a cell of probability 0."""
     exact = exact_joint(target, params)
     assert set(counts) <= {c for c, p in exact.items() if p > 0} or not strict
-    observed, expected, rest_obs, rest_exp = [], [], 0, 0.0
-    for cell, pr in exact.items():
-        if pr * SAMPLES >= 5:
-            observed.append(counts.get(cell, 0))
-            expected.append(pr * SAMPLES)
-        else:  # pool rare cells so the chi-square approximation holds
-            rest_obs += counts.get(cell, 0)
-            rest_exp += pr * SAMPLES
-    if rest_exp > 0:
-        observed.append(rest_obs)
-        expected.append(rest_exp)
-    scale = sum(observed) / sum(expected)
-    return chisquare(observed, [e * scale for e in expected]).pvalue
+    return pooled_chisquare_p(counts, list(exact), list(exact.values()), SAMPLES)
 
 
 @pytest.mark.parametrize("params,p_min", [

@@ -10,7 +10,6 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdec import Engine, SamplingParams
 from specdec.drafters import DraftModelDrafter, NgramDrafter, SuffixDrafter
@@ -20,7 +19,7 @@ from specdec.models import loader
 from specdec.sampling import adjust_logits, make_generator, process_logits, sample
 from specdec.verify import TokenTree, verify_sampling, verify_tree_sampling
 
-from helpers import TINY_VOCAB as V, make_tiny_hf
+from helpers import TINY_VOCAB as V, make_tiny_hf, pooled_chisquare_p
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -244,18 +243,7 @@ def p_value(params, k, tree, broken, seed):
     cells, probs = exact(params)
     if not broken:
         assert all(counts.get(c, 0) == 0 for c, pr in zip(cells, probs) if pr == 0)
-    observed, expected, rest_obs, rest_exp = [], [], 0, 0.0
-    for c, pr in zip(cells, probs):
-        if pr * SAMPLES >= 5:
-            observed.append(counts.get(c, 0))
-            expected.append(pr * SAMPLES)
-        else:
-            rest_obs += counts.get(c, 0)
-            rest_exp += pr * SAMPLES
-    observed.append(rest_obs)
-    expected.append(rest_exp)
-    scale = sum(observed) / sum(expected)
-    return chisquare(observed, [e * scale for e in expected]).pvalue
+    return pooled_chisquare_p(counts, cells, probs, SAMPLES)
 
 
 @pytest.mark.parametrize("k,tree", [(2, False), (3, False), (0, True)])

@@ -10,10 +10,11 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdec.sampling import SamplingParams, make_generator, process_logits, sample
 from specdec.verify import Verdict, verify_greedy, verify_sampling
+
+from helpers import pooled_chisquare_p
 
 V, N, SAMPLES = 5, 3, 8000
 g = torch.Generator().manual_seed(1234)
@@ -64,19 +65,7 @@ def p_value(params, k, one_hot, rule, seed):
     cells, probs = exact_joint(params)
     # Impossible sequences must never appear.
     assert all(counts.get(c, 0) == 0 for c, pr in zip(cells, probs) if pr == 0) or rule is always_accept
-    observed, expected, rest_obs, rest_exp = [], [], 0, 0.0
-    for c, pr in zip(cells, probs):
-        if pr * SAMPLES >= 5:
-            observed.append(counts.get(c, 0))
-            expected.append(pr * SAMPLES)
-        else:  # pool the rare cells so the chi-square approximation holds
-            rest_obs += counts.get(c, 0)
-            rest_exp += pr * SAMPLES
-    if rest_exp > 0:
-        observed.append(rest_obs)
-        expected.append(rest_exp)
-    scale = sum(observed) / sum(expected)
-    return chisquare(observed, [e * scale for e in expected]).pvalue
+    return pooled_chisquare_p(counts, cells, probs, SAMPLES)
 
 
 SETTINGS = [
