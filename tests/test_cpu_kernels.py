@@ -130,6 +130,37 @@ def test_int8_columns_are_bit_identical_to_the_full_output(kernels, out_features
         lin.forward_columns(x, torch.tensor([out_features]))
 
 
+@pytest.mark.skipif(not cpu_int8_available(), reason="needs PyTorch's fbgemm CPU backend")
+@pytest.mark.parametrize("out_features, in_features, bias", [(5000, 640, False), (333, 100, True), (40, 2100, False),
+                                                            (17, 16, True)])
+def test_int8_argmax_is_the_full_outputs_argmax(kernels, out_features, in_features, bias):
+    # What greedy decoding reads of the head: the argmax of each row, ties to the lowest column, for
+    # 1 to 40 rows (the kernel's passes of up to 16 rows, 1 and 2 of them), where the bound of the
+    # first pass is loose (rows of tiny residuals, of an outlier) or the top columns tie exactly.
+    if not kernels.int8_packed():
+        pytest.skip("the argmax runs on the packed (AVX-512 VNNI) weights only")
+    g = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=g) * 0.05
+    w[out_features // 2] = w[3]  # the same column twice: exact ties
+    w[out_features - 1] = w[0]
+    lin = Int8Linear(w, torch.randn(out_features, generator=g) if bias else None)
+    with torch.inference_mode():
+        for n in (1, 2, 5, 16, 17, 40):
+            x = torch.randn(n, in_features, generator=g) * torch.rand(n, 1, generator=g) * 4
+            x[0] = 0.0  # every column equal (or the bias alone): the lowest id wins
+            if n > 2:
+                x[1, 0] = 1e4  # one huge input: the other inputs' grid is coarse
+                x[2] = torch.round(x[2] * 8) / 8  # on a coarse grid: a zero second plane
+            full = lin(x)
+            assert torch.equal(lin.forward_argmax(x), full.argmax(-1)), n
+            # Rows whose best column is tied with a later copy of it.
+            tied = w[3].repeat(n, 1) * (1 + torch.rand(n, 1, generator=g))
+            assert torch.equal(lin.forward_argmax(tied), lin(tied).argmax(-1)), n
+        odd = torch.randn(3, in_features, generator=g)
+        odd[0, 1], odd[2, 0] = float("nan"), float("inf")  # non-finite rows: as the full product's argmax
+        assert torch.equal(lin.forward_argmax(odd), lin(odd).argmax(-1))
+
+
 @pytest.mark.parametrize("period", [1, 5])
 def test_rms_norm_matches_pytorch(kernels, period):
     g = torch.Generator().manual_seed(period)

@@ -141,10 +141,12 @@ def test_int8_model_close_and_speculative_greedy_identical(tmp_path, family, mod
     spec = Engine(model, None, drafter=NgramDrafter(), num_speculative_tokens=5)
     full_head = Engine(model, None, drafter=NgramDrafter(), num_speculative_tokens=5, screen_verify=False)
     assert spec.screen_verify and not full_head.screen_verify
-    # Count the rows the full output head scores in verify passes, to see the screen cut some.
+    # Count the rows the output head scores in verify passes (its full product or, for greedy
+    # rows, its argmax), to see the screen cut some.
     head_rows = []
-    model_head = model.head
+    model_head, model_argmax = model.head, model.head_argmax
     model.head = lambda hidden: head_rows.append(hidden.shape[0]) or model_head(hidden)
+    model.head_argmax = lambda hidden: head_rows.append(hidden.shape[0]) or model_argmax(hidden)
     screened = 0
     for seed in range(3):
         prompt = torch.randint(0, 20, (10,), generator=torch.Generator().manual_seed(seed)).tolist() * 2

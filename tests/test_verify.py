@@ -13,7 +13,8 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.sampling import SamplingParams, make_generator, process_logits, sample
-from specdec.verify import Verdict, first_proven_rejection, verify_greedy, verify_greedy_rows, verify_sampling
+from specdec.verify import Verdict, first_proven_rejection, verify_greedy, verify_greedy_best, verify_greedy_rows, \
+    verify_sampling
 
 # ---------------------------------------------------------------- hand-made cases
 
@@ -54,6 +55,8 @@ def test_greedy_on_screened_rows_gives_the_full_verdict():
         ids = torch.tensor(sorted(screen.union(draft)))
         j = first_proven_rejection(logits[:, ids], ids, draft)
         assert verify_greedy_rows(logits[: j + 1], draft) == verify_greedy(logits, draft)
+        # The same from the rows' argmax alone (what the engine hands over from `head_argmax`).
+        assert verify_greedy_best(best[: j + 1], draft) == verify_greedy(logits, draft)
         checked_short += j < k
     assert checked_short > 50  # the screen did cut rows in many trials
 
@@ -64,6 +67,10 @@ def test_greedy_rows_refuses_a_screen_that_was_wrong():
         verify_greedy_rows(logits[:1], [1])  # row 0 claimed rejected, but it accepts 1
     with pytest.raises(ValueError):
         verify_greedy_rows(logits, [])
+    with pytest.raises(RuntimeError, match="screened as rejected"):
+        verify_greedy_best([1], [1])
+    with pytest.raises(ValueError):
+        verify_greedy_best([1, 1], [])
 
 
 def test_full_acceptance_gives_bonus():

@@ -42,7 +42,7 @@ from .models.transformer import Transformer
 from .settings import DecodingSettings
 from .sampling import SamplingParams, adjust_logits, greedy_tokens, make_generator, process_logits, sample
 from .tokenizer import Detokenizer, Tokenizer
-from .verify import TokenTree, TreeVerdict, first_proven_rejection, verify_greedy, verify_greedy_rows, \
+from .verify import TokenTree, TreeVerdict, first_proven_rejection, verify_greedy, verify_greedy_best, \
     verify_sampling, verify_tree_greedy, verify_tree_sampling
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -418,7 +418,7 @@ class Row:
     rule: object  # a `policy` draft-length rule (next_k / update / k_max), or None without a drafter
     tree: TreeShape | None
     stats: Stats
-    screen: bool  # greedy chains verified with the screened head (`Engine._verify_screened`)
+    screen: bool  # greedy on the raw head: chains screened (`Engine._screen`), tokens by `head_argmax`
     keep_logits: bool  # hand out the raw logits of each emitted token (log-probs)
     fixed_k: bool  # a seeded sampled row: its k ignores the load cap (its draws depend on k)
     draft_cost: policy.DraftCost | None  # where its drafter's measured price per token goes
@@ -809,19 +809,25 @@ class Engine:
             row.started = row.started or time.perf_counter()
         tokens = torch.tensor([[row.prompt[-1]] for row in rows], device=self.device)  # [n, 1]
         positions = torch.tensor([[len(row.prompt) - 1] for row in rows], device=self.device)  # [n, 1]
-        logits, _ = self.model(tokens, positions, cache, last_n=1, need_hidden=False)  # [n, 1, vocab]
+        # Rows that pick greedily on the raw head take its argmax only, together (`_head_argmax`).
+        _, hidden = self.model(tokens, positions, cache, last_n=0)  # hidden: [n, 1, h]
+        argmax_rows = [r for r, row in enumerate(rows) if row.screen]
+        picked = dict(zip(argmax_rows, self._head_argmax(hidden[argmax_rows, 0]))) if argmax_rows else {}
+        others = [r for r in range(len(rows)) if r not in picked]
+        logits = dict(zip(others, self.model.head(hidden[others]))) if others else {}  # r -> [1, vocab]
         emitted = []
         for r, row in enumerate(rows):
             row.stats.target_forwards += 1
-            emitted.append(self._first_token(row, logits[r]))
+            emitted.append(self._first_token(row, logits.get(r), picked.get(r)))
         return emitted
 
-    def _first_token(self, row: Row, logits: torch.Tensor) -> Emitted:
-        """The row's prompt is all in: emit its first token and begin its drafter. logits: [1, vocab]."""
+    def _first_token(self, row: Row, logits: torch.Tensor | None, first: int | None = None) -> Emitted:
+        """The row's prompt is all in: emit its first token and begin its drafter. logits: [1, vocab],
+        or None with `first` already picked (a greedy row on the raw head's argmax)."""
         ids = row.prompt
         drafter = row.drafter
         observes = drafter is not None and drafter.needs.observes is not None
-        first = self._pick(logits, row)
+        first = self._pick(logits, row) if first is None else first
         row.stats.prefill_s = time.perf_counter() - row.started
         if row.steps is not None:
             row.steps.append(Step([], first, "prefill", 0))
@@ -901,9 +907,16 @@ class Engine:
         started = time.perf_counter()
         # The output head (a large share of a step with a big vocabulary) runs on the real rows of
         # blocks only, not on padding, and not at all on the rows a screened verify never needs.
+        # Rows verified greedily on the raw head (`row.screen`) need only its argmax, which an int8
+        # head finds exactly at about half the work of its full product (`head_argmax`); their rows
+        # go through one call together, as the other rows' logits do.
         _, hidden = self.model(tokens, positions, cache, mask=mask, last_n=0)  # hidden: [n, T, h]
-        screened = [row.screen and tree.is_chain and len(tree) > 0 for row, (tree, _, _) in zip(rows, drafts)]
-        full = [r for r in range(len(rows)) if not screened[r]]
+        best_of = {r: len(blocks[r]) for r, (row, (tree, _, _)) in enumerate(zip(rows, drafts))
+                   if row.screen and tree.is_chain}  # row -> how many block rows need the argmax
+        for r, (tree, _, _) in enumerate(drafts):
+            if r in best_of and len(tree) > 0:
+                best_of[r] = 1 + self._screen(hidden[r, : len(tree)], tree.tokens, rows[r].context)
+        full = [r for r in range(len(rows)) if r not in best_of]
         logits_of = {}
         if len(full) == 1:
             r = full[0]
@@ -914,6 +927,13 @@ class Engine:
             for r in full:
                 logits_of[r] = joined[offset : offset + len(blocks[r])]
                 offset += len(blocks[r])
+        picked = {}  # row -> the head's argmax of its first best_of[r] block rows
+        if best_of:
+            best = self._head_argmax(torch.cat([hidden[r, :m] for r, m in best_of.items()]))
+            offset = 0
+            for r, m in best_of.items():
+                picked[r] = best[offset : offset + m]
+                offset += m
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         forward_s = time.perf_counter() - started
@@ -921,8 +941,9 @@ class Engine:
         emitted, drafted, accepted = [], 0, 0
         for r, (row, (tree, q, source)) in enumerate(zip(rows, drafts)):
             row.stats.target_forwards += 1
-            if screened[r]:
-                verdict = self._verify_screened(hidden[r, : len(blocks[r])], tree.tokens, row.context)
+            if r in picked:
+                v = verify_greedy_best(picked[r], tree.tokens)
+                verdict = TreeVerdict(v.accepted, v.next_token, v.kind, path=list(range(v.num_accepted)))
             else:
                 verdict = self._verify_tree(logits_of[r], tree, q, row)
             # Roll back: keep the lead token and the accepted path; the verdict's next token leads
@@ -1050,21 +1071,26 @@ class Engine:
         with torch.inference_mode():
             return self.model.head_columns(probe, torch.zeros(1, dtype=torch.long, device=self.device)) is not None
 
-    def _verify_screened(self, hidden: torch.Tensor, draft: list[int], context: list[int]) -> TreeVerdict:
-        """Greedy verification of a chain that computes the full output head only on the rows that
-        can matter. hidden: [len(draft) + 1, hidden size], the verify block's final hidden states.
+    def _screen(self, hidden: torch.Tensor, draft: list[int], context: list[int]) -> int:
+        """How many rows of a greedy chain's verify block may matter: the first draft position that
+        is certainly rejected, or len(draft) (`first_proven_rejection`). hidden: [len(draft), hidden
+        size], the block's final hidden states before its last row.
 
-        The block's rows are first scored on a few hundred columns: every token of the context and
-        of the draft (where a greedy target's next token mostly is). A row whose draft token loses
-        there is certainly rejected (`first_proven_rejection`), so no later row is needed; the
-        full head (262k columns for Gemma 3, most of a one-token step) then runs on the rows up to
-        it only. Same verdict as scoring every row (`verify_greedy_rows`).
+        The block's rows are scored on a few hundred columns: every token of the context and of
+        the draft (where a greedy target's next token mostly is). A row whose draft token loses
+        there is certainly rejected, so no later row is needed; the full head (262k columns for
+        Gemma 3, most of a one-token step) then runs on the rows up to it only. Same verdict as
+        scoring every row (`verify_greedy_rows`).
         """
         ids = torch.tensor(sorted(set(context).union(draft)), device=hidden.device)
-        columns = self.model.head_columns(hidden[: len(draft)], ids)
-        rows = len(draft) if columns is None else first_proven_rejection(columns, ids, draft)
-        v = verify_greedy_rows(self.model.head(hidden[: rows + 1]), draft)
-        return TreeVerdict(v.accepted, v.next_token, v.kind, path=list(range(v.num_accepted)))
+        columns = self.model.head_columns(hidden, ids)
+        return len(draft) if columns is None else first_proven_rejection(columns, ids, draft)
+
+    def _head_argmax(self, hidden: torch.Tensor) -> list[int]:
+        """The argmax of the raw head's logits for each row of hidden [m, hidden size], ties to
+        the lowest id: the head's own exact argmax where it has one, else of its full logits."""
+        best = self.model.head_argmax(hidden)
+        return best.tolist() if best is not None else greedy_tokens(self.model.head(hidden))
 
     def _verify_tree(self, logits, tree: TokenTree, q, row: Row) -> TreeVerdict:
         # logits: [len(tree) + 1, vocab]; q: [len(tree), vocab] or None (one-hot). Each block row is

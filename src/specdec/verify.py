@@ -130,6 +130,22 @@ def verify_greedy_rows(target_logits: Tensor, draft: list[int]) -> Verdict:
     return verdict
 
 
+def verify_greedy_best(best: list[int], draft: list[int]) -> Verdict:
+    """`verify_greedy_rows` given the target's argmax of rows 0..j (`best`, j + 1 ids, ties to the
+    lowest id) instead of their logits: all that greedy verification reads of them."""
+    j = len(best) - 1
+    if not 0 <= j <= len(draft):
+        raise ValueError(f"best must hold 1 to {len(draft) + 1} ids, got {len(best)}")
+    for i in range(j):
+        if draft[i] != best[i]:
+            return Verdict(list(draft[:i]), best[i], "recovered")
+    if j < len(draft):
+        if best[j] == draft[j]:  # cannot happen when j came from a bit-identical screen
+            raise RuntimeError(f"draft position {j} was screened as rejected, but the full row accepts it")
+        return Verdict(list(draft[:j]), best[j], "recovered")
+    return Verdict(list(draft), best[j], "bonus")
+
+
 def verify_sampling(p: Tensor, q: Tensor | None, draft: list[int], generator: torch.Generator) -> Verdict:
     """Speculative (rejection) sampling of a chain draft; see the module docstring for the math.
 

@@ -583,6 +583,221 @@ void packed_linear(const at::Tensor& x, const at::Tensor& q, const float* ws, co
     }
   });
 }
+// -- The argmax of an Int8Linear's output rows, exact, for about half of its multiply-adds ---------
+//
+// Greedy decoding needs only the argmax of each row of the output head (262k columns for Gemma 3:
+// most of a batched step's multiply-adds once its rows make the step compute-bound). Per row and
+// column S = 126 H + L with H = sum_i w_i high_i and L = sum_i w_i low_i, and |L| <= ||w|| ||low||
+// (Cauchy-Schwarz). Pass 1 computes H alone, one vpdpbusd a group where the full product needs two,
+// and for each block of 16 columns the most any of them can output: the output formula applied to
+// 126 H + ||w|| ||low|| + 2 (the 2 covers the double's roundings), which is at least the column's
+// real output because each step of the formula is monotone (the conversion to float, the products
+// by c >= 0 and ws >= 0, the bias added). Pass 2 computes the exact outputs of the block with the
+// highest bound, then of every block whose bound reaches the best exact output so far: a block
+// below it can hold neither the maximum nor a tie of it. The exact outputs are `packed_tile`'s for
+// that row, the bits of the full product, so the answer is the full output's argmax, the lowest
+// column among equal maxima (as torch.argmax). Rows with a non-finite input get -1 (the caller
+// takes the full product there).
+constexpr int64_t kArgmaxPassRows = 16;
+constexpr int64_t kArgmaxPrefetchRows = 5;
+
+// acc[m] = sum over the groups of (w + 128) high for MT rows (words at `a`, `stride` int32 a group)
+// and the 16 columns of the packed block at p. Up to 8 rows keep a second set of sums for the odd
+// groups (more chains in flight). The sums are named variables pinned to registers by the empty asm
+// (an array of them was kept on the stack, loaded and stored every step; see `packed_sums`).
+#define SPECDEC_ROWS16(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+#define SPECDEC_HIGH(m, H, w, at)                                          \
+  if constexpr (MT > m) {                                                 \
+    H##m = _mm512_dpbusd_epi32(H##m, w, _mm512_set1_epi32((at)[2 * m]));   \
+    asm("" : "+v"(H##m));                                                  \
+  }
+#define SPECDEC_EVEN(m) SPECDEC_HIGH(m, h, w, a)
+#define SPECDEC_ODD(m) if constexpr (MT <= 8) { SPECDEC_HIGH(m, e, w2, a + stride) }
+template <int MT>
+__attribute__((always_inline)) inline void high_sums(const int8_t* p, const int32_t* a, int64_t stride, int64_t groups,
+                                                      __m512i* acc, const int8_t* ahead) {
+  static_assert(MT >= 1 && MT <= 16, "high_sums: 1 to 16 rows");
+  const __m512i zero = _mm512_setzero_si512();
+#define SPECDEC_DECL(m) __m512i h##m = zero, e##m = zero;
+  SPECDEC_ROWS16(SPECDEC_DECL)
+#undef SPECDEC_DECL
+  int64_t g = 0;
+  if constexpr (MT <= 8) {
+    for (; g + 2 <= groups; g += 2, a += 2 * stride) {
+      if (ahead != nullptr) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + g * 64), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + g * 64 + 64), _MM_HINT_T1);
+      }
+      const __m512i w = _mm512_loadu_si512(p + g * 64), w2 = _mm512_loadu_si512(p + g * 64 + 64);
+      SPECDEC_ROWS16(SPECDEC_EVEN)
+      SPECDEC_ROWS16(SPECDEC_ODD)
+    }
+  }
+  for (; g < groups; ++g, a += stride) {
+    if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + g * 64), _MM_HINT_T1);
+    const __m512i w = _mm512_loadu_si512(p + g * 64);
+    SPECDEC_ROWS16(SPECDEC_EVEN)
+  }
+#define SPECDEC_SUM(m) if constexpr (MT > m) acc[m] = MT <= 8 ? _mm512_add_epi32(h##m, e##m) : h##m;
+  SPECDEC_ROWS16(SPECDEC_SUM)
+#undef SPECDEC_SUM
+}
+#undef SPECDEC_EVEN
+#undef SPECDEC_ODD
+#undef SPECDEC_HIGH
+#undef SPECDEC_ROWS16
+
+// Pass 1 for MT rows from m0 and one block: bound[m] = the highest output bound of its columns.
+template <int MT>
+inline void high_block(const int8_t* p, const PlaneRows& rows, int64_t n, int64_t m0, int64_t groups,
+                       const int32_t* high_offset, const double* low_norm, const double* w_norm, const float* ws,
+                       const float* bias, int64_t valid, float* bound, int64_t bound_stride, const int8_t* ahead) {
+  __m512i acc[MT];
+  high_sums<MT>(p, rows.words.data() + 2 * m0, 2 * n, groups, acc, ahead);
+  const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+  const __m512 scales = _mm512_loadu_ps(ws);
+  const __m512 shift = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  const __m512d norm_lo = _mm512_loadu_pd(w_norm), norm_hi = _mm512_loadu_pd(w_norm + 8);
+  const __m512d times = _mm512_set1_pd(126.0), margin = _mm512_set1_pd(2.0);
+  const __m512 none = _mm512_set1_ps(-INFINITY);
+  for (int m = 0; m < MT; ++m) {
+    const __m512i high = _mm512_sub_epi32(acc[m], _mm512_set1_epi32(high_offset[m0 + m]));  // H, exact
+    const __m512d ln = _mm512_set1_pd(low_norm[m0 + m]);
+    const __m512d lo = _mm512_add_pd(_mm512_add_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(high)), times),
+                                                   _mm512_mul_pd(norm_lo, ln)), margin);
+    const __m512d hi = _mm512_add_pd(_mm512_add_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(high, 1)), times),
+                                                   _mm512_mul_pd(norm_hi, ln)), margin);
+    const __m512 total = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(lo)), _mm512_cvtpd_ps(hi), 1);
+    __m512 o = _mm512_mul_ps(_mm512_mul_ps(total, _mm512_set1_ps(rows.c[m0 + m])), scales);
+    if (bias != nullptr) o = _mm512_add_ps(o, shift);
+    bound[(m0 + m) * bound_stride] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(mask, none, o));
+  }
+}
+
+// x [n, K] float32; q, ws, bias, n_out as for int8_linear (packed weights); w_norm [N16] float64:
+// each stored row's Euclidean norm (`int8_norms`). Returns int64 [n]: each row's argmax of
+// int8_linear(x, ...), or -1 for a row with a non-finite input.
+at::Tensor int8_argmax(at::Tensor x, at::Tensor q, at::Tensor ws, at::Tensor w_norm, c10::optional<at::Tensor> bias,
+                       int64_t n_out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "int8_argmax: x must be [n, K] float32");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && q.size(0) % kPackRows == 0,
+              "int8_argmax: q must be a packed int8 table");
+  const int64_t kp = q.size(1), n16 = q.size(0), groups = kp / 4, blocks = n16 / kPackRows;
+  TORCH_CHECK(kp % 16 == 0 && n_out <= n16 && n_out > n16 - kPackRows && n_out > 0, "int8_argmax: n_out does not match q");
+  TORCH_CHECK(ws.scalar_type() == at::kFloat && ws.is_contiguous() && ws.numel() == n16, "int8_argmax: ws must be [N16] float32");
+  TORCH_CHECK(w_norm.scalar_type() == at::kDouble && w_norm.is_contiguous() && w_norm.numel() == n16,
+              "int8_argmax: w_norm must be [N16] float64");
+  // |H| < 2^31 in int32 lanes: 255 * 63 per input (unsigned weights, the offset taken off after).
+  TORCH_CHECK(kp <= 65536, "int8_argmax: at most 65536 inputs");
+  x = x.contiguous();
+  const int64_t k = x.size(1), n = x.size(0);
+  TORCH_CHECK(k <= kp && k > kp - 16, "int8_argmax: x and q differ in input size");
+  at::Tensor b;
+  const float* bs = optional_data(bias, b);
+  auto out = at::empty({n}, x.options().dtype(at::kLong));
+  if (n == 0) return out;
+  PlaneRows rows;
+  input_planes(x, kp, rows);
+  // Per row: whether its inputs are finite, 128 * sum high (the unsigned weights' offset) and ||low||.
+  std::vector<int32_t> high_offset(n);
+  std::vector<double> low_norm(n);
+  std::vector<char> finite(n);
+  const float* xs = x.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    bool ok = true;
+    for (int64_t i = 0; i < k; ++i) ok = ok && std::isfinite(xs[r * k + i]);
+    finite[r] = ok;
+    int64_t sum_high = 0, sum_sq = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* hb = reinterpret_cast<const int8_t*>(&rows.words[(g * n + r) * 2]);
+      const int8_t* lb = hb + 4;
+      for (int j = 0; j < 4; ++j) {
+        sum_high += hb[j];
+        sum_sq += static_cast<int64_t>(lb[j]) * lb[j];
+      }
+    }
+    high_offset[r] = static_cast<int32_t>(128 * sum_high);
+    low_norm[r] = std::sqrt(static_cast<double>(sum_sq));
+  }
+  const int8_t* qs = q.data_ptr<int8_t>();
+  const float* wss = ws.data_ptr<float>();
+  const double* norms = w_norm.data_ptr<double>();
+  std::vector<float> bound(n * blocks);
+  // Pass 1: every block, the rows in passes of near-equal size (up to 16: 16 sums + the weights).
+  const int64_t passes = (n + kArgmaxPassRows - 1) / kArgmaxPassRows;
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t col = blk * kPackRows, valid = std::min(kPackRows, n_out - col);
+      const int8_t* p = qs + col * kp;
+      const int8_t* ahead = n >= kArgmaxPrefetchRows && blk + 1 < blocks ? p + kPackRows * kp : nullptr;
+      int64_t m = 0;
+      for (int64_t pass = 0; pass < passes; ++pass, ahead = nullptr) {
+        const int64_t size = (n - m + (passes - pass) - 1) / (passes - pass);
+        const float* bcol = bs != nullptr ? bs + col : nullptr;
+        float* bd = bound.data() + blk;
+        switch (size) {
+#define SPECDEC_CASE(S) case S: high_block<S>(p, rows, n, m, groups, high_offset.data(), low_norm.data(), norms + col, wss + col, bcol, valid, bd, blocks, ahead); break;
+          SPECDEC_CASE(16) SPECDEC_CASE(15) SPECDEC_CASE(14) SPECDEC_CASE(13) SPECDEC_CASE(12) SPECDEC_CASE(11)
+          SPECDEC_CASE(10) SPECDEC_CASE(9) SPECDEC_CASE(8) SPECDEC_CASE(7) SPECDEC_CASE(6) SPECDEC_CASE(5)
+          SPECDEC_CASE(4) SPECDEC_CASE(3) SPECDEC_CASE(2)
+          default: high_block<1>(p, rows, n, m, groups, high_offset.data(), low_norm.data(), norms + col, wss + col, bcol, valid, bd, blocks, ahead); break;
+#undef SPECDEC_CASE
+        }
+        m += size;
+      }
+    }
+  });
+  // Pass 2, row by row: the exact outputs of the blocks that can hold the maximum.
+  int64_t* os = out.data_ptr<int64_t>();
+  at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    alignas(64) float exact[kPackRows];
+    for (int64_t r = r0; r < r1; ++r) {
+      if (!finite[r]) {
+        os[r] = -1;
+        continue;
+      }
+      const float* bd = bound.data() + r * blocks;
+      float best = -INFINITY;
+      int64_t best_col = -1;
+      auto score = [&](int64_t blk) {
+        const int64_t col = blk * kPackRows, valid = std::min(kPackRows, n_out - col);
+        packed_tile<1>(qs + col * kp, rows, n, r, groups, wss + col, bs != nullptr ? bs + col : nullptr, exact, kPackRows,
+                       valid, nullptr);
+        for (int64_t j = 0; j < valid; ++j)
+          if (exact[j] > best || (exact[j] == best && col + j < best_col) || best_col < 0) {
+            best = exact[j];
+            best_col = col + j;
+          }
+      };
+      const int64_t first = std::max_element(bd, bd + blocks) - bd;
+      score(first);
+      for (int64_t blk = 0; blk < blocks; ++blk)
+        if (blk != first && bd[blk] >= best) score(blk);
+      os[r] = best_col;
+    }
+  });
+  return out;
+}
+
+// Each stored row's Euclidean norm, float64 [N16], of a packed int8 table (`int8_argmax`'s bound).
+at::Tensor int8_norms(at::Tensor q) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && q.size(0) % kPackRows == 0,
+              "int8_norms: q must be a packed int8 table");
+  const int64_t n16 = q.size(0), kp = q.size(1);
+  auto out = at::empty({n16}, q.options().dtype(at::kDouble));
+  const int8_t* qs = q.data_ptr<int8_t>();
+  double* os = out.data_ptr<double>();
+  at::parallel_for(0, n16, 256, [&](int64_t r0, int64_t r1) {
+    std::vector<int8_t> row(kp);
+    for (int64_t r = r0; r < r1; ++r) {
+      packed_row(qs, kp, r, row.data());
+      int64_t sum = 0;
+      for (int64_t i = 0; i < kp; ++i) sum += static_cast<int64_t>(row[i]) * row[i];
+      os[r] = std::sqrt(static_cast<double>(sum));
+    }
+  });
+  return out;
+}
 constexpr int64_t kRowMultiple = kPackRows;
 #else
 constexpr int64_t kRowMultiple = 4;
@@ -1634,6 +1849,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(SPECDEC_VNNI)
   m.def("int8_pack", &int8_pack, "a padded row-major int8 table into the packed layout, in place");
   m.def("int8_rows", &int8_rows, "rows of a packed int8 table, as int8");
+  m.def("int8_argmax", &int8_argmax, "the argmax of each row of an Int8Linear's output, exact, without the full product");
+  m.def("int8_norms", &int8_norms, "the Euclidean norm of each row of a packed int8 table");
 #endif
   m.def("int4_linear", &int4_linear, "Int4Linear's product: 4-bit weights in groups of 32, int8 input grid");
   m.def("int4_reference", &int4_reference, "Int4Linear's product by the scalar path, whatever the build");

@@ -366,6 +366,9 @@ class ParallelTarget:
     def head_columns(self, hidden: Tensor, ids: Tensor) -> None:
         return None
 
+    def head_argmax(self, hidden: Tensor) -> None:  # the head is split: its argmax needs every rank's part
+        return None
+
     def close(self) -> None:
         """Stop ranks 1..N-1 and leave the process group (at exit at the latest)."""
         if self._closed:

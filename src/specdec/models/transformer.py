@@ -638,6 +638,15 @@ class Transformer(Layer):
             return None
         return self.lm_head.forward_columns(hidden, ids)
 
+    def head_argmax(self, hidden: Tensor) -> Tensor | None:
+        """`head(hidden).argmax(-1)` (ties to the lowest id), exactly, without the full product:
+        int64 [m] for hidden [m, hidden]; None where this model has no such path (a float head, a
+        soft-capped one, whose rounding could tie two columns that differ, or no packed kernels).
+        What greedy decoding reads of the head (`Int8Linear.forward_argmax`)."""
+        if not isinstance(self.lm_head, Int8Linear) or self.config.final_logit_softcap:
+            return None
+        return self.lm_head.forward_argmax(hidden)
+
     def _visibility(self, start, positions, cache, mask, span, t):
         """Which cache slots each new query may attend to.
 
