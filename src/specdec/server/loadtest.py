@@ -5,12 +5,15 @@
 starts `specdec serve` (default model, ngram drafter) in a subprocess on a free loopback port, or
 measures a running server given `--url`. Both modes run against the same server in one run; the
 plain mode sends `speculative: false` per request, the speculative one `speculative: {drafter, k}`,
-so they share the weights, the batcher and the warm caches. For each concurrency level the modes
-alternate (spec, plain, spec, plain ... `--rounds` times) so that drift of a shared machine hits
-both alike. Each level is a closed loop: `c` workers, each sending its next request as soon as its
-previous one is answered, until `--requests` requests are done; tokens/s is the completion tokens
-of all of them over the wall time of the level. Greedy decoding, so the two modes must return
-the same text: the report counts the requests whose outputs differ.
+so they share the weights, the batcher and the warm caches. Each of `--rounds` rounds runs every
+level once in each mode (c = 1 spec, c = 1 plain, c = 4 spec, ...), so that drift of a shared
+machine hits both modes and every level alike, and the report gives per level the median over the
+rounds: tokens/s of each mode, the speculative/plain ratio, and plain tokens/s against the first
+level's (the scaling with concurrency), each ratio taken within a round, side by side. Each level
+is a closed loop: `c` workers, each sending its next request as soon as its previous one is
+answered, until `--requests` requests are done; tokens/s is the completion tokens of all of them
+over the wall time of the level. Greedy decoding, so the two modes must return the same text: the
+report counts the requests whose outputs differ.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import asyncio
 import json
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--requests", type=int, default=0,
                         help="requests per level and mode (default: the concurrency, at least 4)")
-    parser.add_argument("--rounds", type=int, default=1, help="alternations of the two modes per level")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of every level in both modes; the report gives medians over them")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tasks", default="code,summarization,qa", help="bench prompt groups")
@@ -145,30 +150,22 @@ def main(argv: list[str] | None = None) -> int:
         # runs first.
         for mode in ("spec", "plain"):
             asyncio.run(run_level(url, prompts, mode, max(args.levels), max(args.levels), args))
-        results: list[LevelResult] = []
-        for c in args.levels:
-            for _ in range(args.rounds):
-                for mode in ("spec", "plain"):
+        results: dict[tuple[int, int, str], LevelResult] = {}  # (round, concurrency, mode)
+        for round_ in range(args.rounds):
+            for c in args.levels:
+                # Which mode goes first alternates by round, so neither always follows the other.
+                for mode in ("spec", "plain") if round_ % 2 == 0 else ("plain", "spec"):
                     n = args.requests or max(4, c)
-                    results.append(asyncio.run(run_level(url, prompts, mode, c, n, args)))
-                    r = results[-1]
-                    print(f"  c={c:<3} {mode:<5} {r.tokens_per_s:7.1f} tok/s  ({r.completion_tokens} tokens, "
-                          f"{r.wall_s:.1f} s, mean latency {r.mean_latency_s:.2f} s)", file=sys.stderr)
+                    r = results[round_, c, mode] = asyncio.run(run_level(url, prompts, mode, c, n, args))
+                    print(f"  round {round_ + 1} c={c:<3} {mode:<5} {r.tokens_per_s:7.1f} tok/s  ({r.completion_tokens} "
+                          f"tokens, {r.wall_s:.1f} s, mean latency {r.mean_latency_s:.2f} s)", file=sys.stderr)
         metrics = httpx.get(url + "/metrics").text
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
 
-    rows = []
-    for c in args.levels:
-        spec = [r for r in results if r.concurrency == c and r.mode == "spec"]
-        plain = [r for r in results if r.concurrency == c and r.mode == "plain"]
-        s_tps = sum(r.completion_tokens for r in spec) / sum(r.wall_s for r in spec)
-        p_tps = sum(r.completion_tokens for r in plain) / sum(r.wall_s for r in plain)
-        differ = sum(spec[0].texts[i] != plain[0].texts[i] for i in spec[0].texts)
-        rows.append({"concurrency": c, "spec_tokens_per_s": s_tps, "plain_tokens_per_s": p_tps,
-                     "speedup": s_tps / p_tps if p_tps else 0.0, "outputs_differ": differ})
+    rows = summarize(results, args.levels, args.rounds)
     accepted = {ln.split(" ")[0]: ln.split(" ")[1] for ln in metrics.splitlines()
                 if ln.startswith("specdec:spec_decode_num_") and "per_pos" not in ln}
     if args.json:
@@ -176,12 +173,36 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"model {args.model}, drafter {args.drafter} k={args.k}, speculation control {args.speculation_control}, "
           f"{args.requests or 'max(4, concurrency)'} requests x {args.max_tokens} tokens per level and mode, greedy")
-    print("| concurrency | plain tok/s | speculative tok/s | speedup | outputs differ |")
-    print("|---:|---:|---:|---:|---:|")
+    if args.rounds > 1:
+        print(f"medians over {args.rounds} rounds; each ratio taken within a round")
+    first = args.levels[0]
+    print(f"| concurrency | plain tok/s | plain vs c={first} | speculative tok/s | speculative vs plain | outputs differ |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['concurrency']} | {r['plain_tokens_per_s']:.1f} | {r['spec_tokens_per_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {r['outputs_differ']} |")
+        print(f"| {r['concurrency']} | {r['plain_tokens_per_s']:.1f} | {r['plain_scaling']:.2f}x | "
+              f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['outputs_differ']} |")
     return 0
+
+
+def summarize(results: dict[tuple[int, int, str], LevelResult], levels: list[int], rounds: int) -> list[dict]:
+    """Per level: the medians over the rounds of each mode's tokens/s, of the speculative/plain ratio
+    and of plain tokens/s over the first level's, each ratio from one round's side-by-side runs, and
+    the requests whose outputs differ between the modes (any round)."""
+    rows = []
+    for c in levels:
+        spec = [results[r, c, "spec"].tokens_per_s for r in range(rounds)]
+        plain = [results[r, c, "plain"].tokens_per_s for r in range(rounds)]
+        base = [results[r, levels[0], "plain"].tokens_per_s for r in range(rounds)]
+        differ = set()
+        for r in range(rounds):
+            s_texts, p_texts = results[r, c, "spec"].texts, results[r, c, "plain"].texts
+            differ.update(i for i in s_texts if s_texts[i] != p_texts.get(i))
+        rows.append({"concurrency": c, "spec_tokens_per_s": statistics.median(spec),
+                     "plain_tokens_per_s": statistics.median(plain),
+                     "speedup": statistics.median(s / p if p else 0.0 for s, p in zip(spec, plain)),
+                     "plain_scaling": statistics.median(p / b if b else 0.0 for p, b in zip(plain, base)),
+                     "outputs_differ": len(differ), "spec_rounds": spec, "plain_rounds": plain})
+    return rows
 
 
 if __name__ == "__main__":
