@@ -244,3 +244,50 @@ def test_prompts_cached_but_their_last_token_share_one_prefill(tiny, drafter):
     assert sched.counters.prefill_forwards - forwards < len(again) - 1
     assert sched.counters.prompt_tokens_cached == sum(len(p) - 1 for p in prompts)
     assert sched.num_running == 0 and int(sched.cache.lengths.sum()) == 0
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_cached_prompts_join_the_running_rows_without_a_forward_of_their_own(tmp_path, quantize):
+    """Prompts the prefix cache holds all of but the last token, arriving while rows run (which
+    draft, so the step's blocks are padded), join those rows at once: the next step scores their
+    last token and emits their first, with no prefill forward. Greedy rows (argmax of the int8
+    head, or full logits), a row with log-probs and a seeded sampled row each give what the same
+    request gives alone."""
+    from specdec.models.quant import quantize_model
+    from specdec.sampling import SamplingParams
+
+    target, _ = loader.load(make_tiny_hf(tmp_path, "gemma3")[0], torch.float32, "cpu")
+    if quantize != "none":
+        quantize_model(target, quantize)
+    prompts = [ids(20 + i, 200 + i) for i in range(3)]
+    requests = [Request(prompts[0], 8), Request(prompts[1], 8, drafter="none"), Request(prompts[2], 8, logprobs=2),
+                Request(prompts[0], 8, sampling=SamplingParams(temperature=0.8, seed=5))]
+    alone = BatchScheduler(target, None, drafter="ngram", num_speculative_tokens=3, max_batch=1, max_model_len=128)
+    refs = []
+    for r in requests:
+        handle = alone.submit(r)
+        while not handle.finished:
+            alone.run_once(wait=False)
+        refs.append(handle.result())
+
+    sched = BatchScheduler(target, None, drafter="ngram", num_speculative_tokens=3, max_batch=6, max_model_len=128,
+                           prefill_chunk=64, prefix_cache_tokens=2000)
+    drive(sched, [sched.submit(Request(p, 4)) for p in prompts])  # now cached
+    runners = [sched.submit(Request(ids(8, 300 + i) * 3, 40)) for i in range(2)]  # repetitive: they draft
+    for _ in range(3):
+        sched.run_once(wait=False)
+    assert sched.num_running == 2
+    forwards, drafted = sched.counters.prefill_forwards, sched.counters.spec.draft_tokens
+    handles = [sched.submit(r) for r in requests]
+    sched.run_once(wait=False)
+    assert sched.num_running == 6 and sched.counters.prefill_forwards == forwards
+    assert all(not h._sync.empty() for h in handles)  # each has its first token from that step
+    while not all(h.finished for h in handles + runners):
+        sched.run_once(wait=False)
+    done = [h.result() for h in handles]
+    assert sched.counters.prefill_forwards == forwards and sched.counters.spec.draft_tokens > drafted
+    assert [d.token_ids for d in done] == [r.token_ids for r in refs]
+    # (float32 matrix products round a row by the shape of their block: the log-probs agree closely)
+    assert [lp.token for lp in done[2].logprobs] == [lp.token for lp in refs[2].logprobs] == refs[2].token_ids
+    assert [lp.logprob for lp in done[2].logprobs] == pytest.approx([lp.logprob for lp in refs[2].logprobs], abs=1e-5)
+    assert sched.num_running == 0 and int(sched.cache.lengths.sum()) == 0

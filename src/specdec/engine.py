@@ -850,6 +850,10 @@ class Engine:
     def step(self, rows: list[Row], cache: KVCache, cap: int | None = None) -> StepReport:
         """One decoding step for every row (unfinished, prefilled): rows[r] lives in cache row r.
 
+        A row may also join here with its prompt all in its cache row but the last token (a prefix
+        cache hit) and nothing emitted yet: the step scores that token in its block and emits its
+        first token, what `prefill_last` would give, without a forward of its own.
+
         `cap`: the batch's load cap on each row's draft length (`policy.LoadCap`); rows with a
         fixed k (seeded sampling) ignore it.
         """
@@ -891,7 +895,12 @@ class Engine:
         base = cache.lengths.tolist()  # [n] each row's committed length = its lead token's position
         blocks, places = [], []
         for row, (tree, _, _), b in zip(rows, drafts, base):
-            blocks.append([row.out.ids[-1]] + tree.tokens)
+            if not row.out.ids:  # joining (see `step`): its prompt's last token, where prefill_last puts it
+                if b != len(row.prompt) - 1 or (row.drafter is not None and row.drafter.needs.observes is not None):
+                    raise ValueError("a row joins a step holding its prompt but the last token, without a "
+                                     "drafter that observes the prompt")
+                row.started = row.started or time.perf_counter()
+            blocks.append([row.out.ids[-1] if row.out.ids else row.prompt[-1]] + tree.tokens)
             places.append([b] + [b + d for d in tree.depths()])
         width = max(len(block) for block in blocks)
         tokens = torch.tensor([blk + [blk[-1]] * (width - len(blk)) for blk in blocks], device=self.device)  # [n, T]
@@ -941,6 +950,10 @@ class Engine:
         emitted, drafted, accepted = [], 0, 0
         for r, (row, (tree, q, source)) in enumerate(zip(rows, drafts)):
             row.stats.target_forwards += 1
+            if not row.out.ids:  # joining: its first token, as `prefill_last` would give it
+                cache.truncate(base[r] + 1, row=r)  # its prompt; not the padding of a wider block
+                emitted.append(self._first_token(row, logits_of.get(r), picked[r][0] if r in picked else None))
+                continue
             if r in picked:
                 v = verify_greedy_best(picked[r], tree.tokens)
                 verdict = TreeVerdict(v.accepted, v.next_token, v.kind, path=list(range(v.num_accepted)))
@@ -989,7 +1002,7 @@ class Engine:
         drafter = row.drafter
         # Never draft past the token allowance: those tokens could not be emitted.
         limit = row.out.remaining if (cap is None or row.fixed_k) else min(row.out.remaining, cap)
-        if drafter is None or limit <= 0:
+        if drafter is None or limit <= 0 or not row.out.ids:  # (a joining row's drafter has not begun)
             return 0
         if row.tree is not None:
             shape = row.tree

@@ -28,6 +28,9 @@ a sequence that leaves the batch finished leave their tokens and a copy of their
 store bounded by that many cached tokens (least recently used evicted first; the finished
 sequence's entry replaces its prompt's); a new prompt starts from the longest
 stored prefix of it, copied into its row (`KVCache.import_row`), and its prefill scores the rest.
+When that rest is the last token alone and rows are running, there is no prefill: the prompt joins
+the running rows at once, and the next step scores its last token as one more row of its batch
+and emits its first token (`Engine.step`), instead of a one-row forward that reads every weight.
 Slots keep their positions and no layer drops old slots, so the copy is the state that scoring
 the prefix would have left, sliding-window layers included. Rows of a learned drafter that reads
 the target's hidden states (EAGLE) score their whole prompt: a copy brings no hidden states. A
@@ -536,6 +539,9 @@ class BatchScheduler:
                 head = self._ready[0]
                 found = head.looked_up[0] if head.looked_up is not None else self._lookup(head)
                 head.looked_up = None
+                if self._running and self._last_only(head, found):
+                    self._join_cached(found)
+                    continue
                 if len(self._ready) > 1 and self._last_only(head, found):
                     self._prefill_cached(found, budget)
                     if budget is not None:
@@ -625,6 +631,24 @@ class BatchScheduler:
         done = [seq for seq, e in zip(batch, emitted) if self._emit(seq, e)]
         for seq in done:
             self._leave(seq, seq.row.out.finish_reason)
+
+    def _join_cached(self, found) -> None:
+        """Admitted prompts whose every token but the last is in the prefix cache (the first's
+        lookup: `found`), while rows run: each is copied into the row after the running ones and
+        joins them at once; the next step scores its last token next to their blocks and emits its
+        first token (`Engine.step`), so it costs the step one more row rather than a forward of
+        its own. Takes the ready prompts in order while they are such hits."""
+        while True:
+            seq = self._ready.popleft()
+            self._admit(seq, len(self._running), found)
+            self._running.append(seq)
+            if not self._ready:
+                return
+            nxt = self._ready[0]
+            nxt.looked_up = (found := self._lookup(nxt),)
+            if not self._last_only(nxt, found):
+                return
+            nxt.looked_up = None
 
     def _drop_prefilling(self, reason: str, error: str | None = None) -> None:
         seq, self._prefilling = self._prefilling, None
