@@ -84,6 +84,9 @@ class DrafterNeeds:
         for zero tokens when the rule wants some.
     fallback: whether `propose` takes `fallback_k`, the length for the learned part of a
         lookup-first combination where lookup found nothing.
+    stops: whether the drafter sizes its own chains by their price (`stop_by`, a
+        `policy.ChainStop`): the core then asks it for the most the rule allows and keeps what it
+        drafts, rather than fixing k from the acceptance measured so far.
     """
 
     observes: tuple[int, ...] | None = None
@@ -91,6 +94,7 @@ class DrafterNeeds:
     labels_proposals: bool = False
     model: bool = False
     fallback: bool = False
+    stops: bool = False
 
 
 LOOKUP_NEEDS = DrafterNeeds(labels_proposals=True)
@@ -168,15 +172,21 @@ class Drafter(Protocol):
         forward per draft position for a draft model)."""
         ...
 
-    def propose_free(self, context: list[int], k: int) -> Proposal | None:
+    def propose_free(self, context: list[int], k: int, learned_first=None) -> Proposal | None:
         """With `needs.fallback`: the proposal that costs no model forward (a lookup's), or None
-        when there is none: the row then drafts with `batch_member()`, in the batched forward of
-        its batch key with the other drafting rows."""
+        when there is none, or when `learned_first(its source)` prefers the learned part: the row
+        then drafts with `batch_member()`, in the batched forward of its batch key with the other
+        drafting rows."""
         ...
 
     def batch_member(self) -> "Drafter":
         """The drafter whose `propose_batch` this row joins: itself, or a lookup-first
         combination's learned part."""
+        ...
+
+    def stop_by(self, stop) -> None:
+        """With `needs.stops`: the `policy.ChainStop` (or None: draft the k asked for) that ends
+        this row's next chains; set by the core before each proposal."""
         ...
 
     def feedback(self, num_accepted: int) -> None:
@@ -217,11 +227,14 @@ class DrafterBase:
     def propose_batch(self, drafters, contexts, ks):
         return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]
 
-    def propose_free(self, context: list[int], k: int) -> Proposal | None:
+    def propose_free(self, context: list[int], k: int, learned_first=None) -> Proposal | None:
         return None
 
     def batch_member(self):
         return self
+
+    def stop_by(self, stop) -> None:
+        pass
 
     def feedback(self, num_accepted: int) -> None:
         pass
