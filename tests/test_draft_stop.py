@@ -2,8 +2,6 @@
 ask gate that re-probes a drafter it stopped asking (`policy.AskGate`), and the prompt window; the
 output stays exact (greedy identity; sampled distribution by a chi-square test)."""
 
-import random
-
 import pytest
 import torch
 
@@ -17,6 +15,7 @@ from specdec.policy import AskGate, ChainStop, DraftCost
 from test_draft_model import N_NEW, PROMPT, SAMPLES, SMALL_V, chi_square_p, noisy_copy, small_model
 
 from helpers import TINY_VOCAB as V, make_tiny_hf, random_prompts as prompts
+
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,58 +39,48 @@ def peaky(llama):
 # -- the chain stop -----------------------------------------------------------------------------
 
 
-def test_first_token_is_kept_when_its_confidence_beats_its_price():
-    # A first draft token costs c0 + c + d plain steps and gains p tokens: kept iff p > c0 + c + d.
-    for p, kept in ((0.31, True), (0.29, False)):
-        stop = ChainStop(verify_cost=0.1, draft_cost=0.2)
-        assert stop.take(p) is kept
-    # An overhead c0 is paid once for the whole chain: a first token must beat c0 + c + d alone,
-    # unless the tokens after it share the overhead.
-    alone = ChainStop(verify_cost=0.1, verify_overhead=0.2, draft_cost=0.2)
-    assert alone.take(0.45) and not alone.take(0.1) and not alone.worth()
-    shared = ChainStop(verify_cost=0.1, verify_overhead=0.2, draft_cost=0.2)
-    assert shared.take(0.45) and shared.take(0.95) and shared.worth()  # 1.88 tokens for 1.8 steps
+def test_a_read_token_is_kept_when_its_chain_probability_beats_its_score_at_the_rows_rate():
+    # The forward that read token i is spent; scoring it costs c and gains P_i: kept iff P_i > R c.
+    for p, kept in ((0.11, True), (0.09, False)):
+        assert ChainStop(verify_cost=0.1, draft_cost=0.2).take(p) is kept
+    for p, kept in ((0.16, True), (0.14, False)):  # a row earning 1.5 tokens per plain step
+        assert ChainStop(verify_cost=0.1, draft_cost=0.2, rate=1.5).take(p) is kept
+    # An overhead c0 is paid once for the whole chain: a chain is sent only where it earns it.
+    alone = ChainStop(verify_cost=0.1, verify_overhead=0.5, draft_cost=0.2)
+    assert alone.take(0.45) and not alone.worth()  # 0.45 < 0.5 + 0.1
+    shared = ChainStop(verify_cost=0.1, verify_overhead=0.5, draft_cost=0.2)
+    assert shared.take(0.45) and shared.take(0.95) and shared.worth()  # 0.88 > 0.5 + 0.2
 
 
-def _best_prefix(ps, c, c0, d):
-    """The chain length with the most expected tokens per modelled step cost, by brute force."""
-    best_k, best, chain, expected = 0, 1.0, 1.0, 1.0
-    for k, p in enumerate(ps, 1):
-        chain *= p
-        expected += chain
-        value = expected / (1 + c0 + (c + d) * k)
-        if value > best:
-            best_k, best = k, value
-    return best_k
+def test_the_next_position_is_read_only_where_the_chain_looks_able_to_pay_its_forward():
+    stop = ChainStop(verify_cost=0.1, draft_cost=0.2, rate=1.5)  # a read and a score: 0.45 at R = 1.5
+    assert stop.take(0.9) and stop.more()  # 0.81 ahead
+    assert stop.take(0.7) and not stop.more()  # 0.63 * 0.7 = 0.44 ahead: not worth a forward
+    assert stop.looked == 2 and stop.drafted == 2
+    stop.start()
+    assert stop.looked == 0 and stop.drafted == 0 and stop.more()
 
 
-def test_the_stop_drafts_the_chain_length_the_cost_model_prefers():
-    rng = random.Random(0)
-    for _ in range(500):
-        ps = [rng.choice([rng.random(), 1 - rng.random() ** 4]) for _ in range(8)]
-        c, c0, d = rng.uniform(0.02, 0.3), rng.choice([0.0, 0.3]), rng.uniform(0.0, 0.5)
-        stop = ChainStop(c, c0, 0.0, d)
+def test_the_rate_makes_a_richer_row_pickier():
+    ps = [0.9, 0.8, 0.7, 0.6, 0.5]
+    lengths = []
+    for rate in (1.0, 1.5, 2.5):
+        stop = ChainStop(verify_cost=0.1, draft_cost=0.25, rate=rate)
         kept = 0
         for p in ps:
             if not stop.take(p):
                 break
             kept += 1
-        kept = kept if stop.worth() else 0
-        assert kept == _best_prefix(ps, c, c0, d), (ps, c, c0, d)
-
-
-def test_the_stop_counts_the_positions_it_read():
-    stop = ChainStop(verify_cost=0.1, draft_cost=0.3)
-    assert stop.take(0.5)
-    assert not stop.take(0.6)  # 0.3 of a chain does not pay 0.4 at 1.5 / 1.4 tokens per step
-    assert stop.looked == 2 and stop.drafted == 1  # two draft forwards for one token
-    stop.start()
-    assert stop.looked == 0 and stop.drafted == 0
+            if not stop.more():
+                break
+        lengths.append(kept)
+    assert lengths[0] > lengths[1] > lengths[2] >= 1
 
 
 def test_a_long_chain_of_near_certain_tokens_is_not_cut_at_a_fixed_confidence():
-    stop = ChainStop(verify_cost=0.1, draft_cost=0.15)
-    assert all(stop.take(p) for p in (0.99, 0.98, 0.99, 0.97))
+    stop = ChainStop(verify_cost=0.1, draft_cost=0.15, rate=1.5)
+    for p in (0.99, 0.98, 0.99, 0.97):
+        assert stop.more() and stop.take(p)
     assert stop.drafted == 4
 
 

@@ -992,7 +992,8 @@ class Engine:
             rule = row.rule
             if rule.gate.asks():
                 d = 0.0 if rule.draft_cost is None else rule.draft_cost.per_token(self._model_source(row))
-                row.stop = policy.ChainStop(rule.verify_cost, rule.verify_overhead, rule.screened_share, d)
+                row.stop = policy.ChainStop(rule.verify_cost, rule.verify_overhead, rule.screened_share, d,
+                                            max(1.0, rule.gate.value()))
             drafter.stop_by(row.stop)
             return min(rule.k_max, limit) if row.stop is not None or drafter.needs.labels_proposals else 0
         if drafter.needs.stops:

@@ -254,68 +254,75 @@ class CostAwareDraftLength:
 
 @dataclass
 class ChainStop:
-    """Where a drafter that knows its confidence stops its chain (SpecDec++, Huang et al. 2024).
+    """Where a drafter that knows its confidence stops its chain (after SpecDec++, Huang et al. 2024).
 
     A draft model's confidence in its next token (its top probability; of q under sampling) predicts
     the target's acceptance of that token: on the Qwen2.5-Coder pair a token drafted at confidence p
     was accepted about p of the time (scripts/draft_tuning_prompts.jsonl, greedy). So the chance that
-    the whole chain up to token i is accepted is about P_i = p_1 p_2 ... p_i, and a chain of k >= 1
-    drafts yields E = 1 + P_1 + ... + P_k tokens for C = 1 + c0 + k (c + d) plain steps (the cost
-    model of `CostAwareDraftLength`; with screening, a row's head share f of c is paid only for rows
-    reached, P_{i-1} of the time). Token i+1 is kept while it raises E / C:
+    the whole chain up to token i is accepted is about P_i = p_1 p_2 ... p_i: token i adds P_i
+    expected tokens to its step. Costs, in plain steps (the cost model of `CostAwareDraftLength`):
+    reading one more position's confidence is a draft forward, d; a kept token is scored by the
+    target, c (of which a screened row pays the head's share f only for rows reached, P_{i-1} of
+    the time); a chain of any length k >= 1 pays the verify overhead c0 once.
 
-        P_{i+1} C > E x,       x = d + c ((1 - f) + f P_i),
+    What is to be maximised is the request's tokens per plain step over all its steps, R, not one
+    step's ratio: a step's drafts are worth their cost where they gain more than R would buy with
+    it (Dinkelbach's view of a ratio). Two decisions follow:
 
-    which, P falling along the chain, stops at the k with the best E / C (the forward that read
-    token i+1's confidence is spent either way: right after a kept token, the test with P_{i+1}
-    at its bound P_i always passes, so no look-ahead spares it). The
-    overhead c0 is paid once for any k >= 1, so it is not a first token's own price: the chain is
-    drafted as if it were paid, and dropped whole when its E / C does not beat a plain step
-    (`worth`). The fixed cut-off `draft_p_min` tests each token's p alone, so it stops a chain of
-    near-certain tokens at the first slightly uncertain one and lets a chain of 0.55s run to a
-    product no draft of its length earns back; this prices the chain as a whole.
+    * keep a token whose confidence was read (its forward is spent) while P_i > R c_i;
+    * read the next position only while the chain looks able to pay for that forward too:
+      P_i p_i > R (d + c), the next confidence guessed to be like the last (`more`). Without this,
+      every chain ends with a forward spent to learn that its next token does not pay: on a draft
+      costing a quarter of a target step that forward is most of what drafting loses.
+
+    The chain is sent at all only where P_1 + ... + P_k beats R (c0 + c k) (`worth`). R, `rate`,
+    is what the row's asks have earned so far (`AskGate.value`, at least 1). The fixed cut-off
+    `draft_p_min` tests each token's p alone: it stops a chain of near-certain tokens at the first
+    slightly uncertain one and lets a chain of 0.55s run to a product no draft earns back.
 
     `verify_cost` c, `verify_overhead` c0, `screened_share` f: the target's, as in
     `CostAwareDraftLength`; `draft_cost` d: the drafter's price per draft forward (for a seeded
-    sampled row, the prior, so its drafts depend only on q). One object per row and step; `start`
-    before each chain.
+    sampled row, the prior, so its drafts depend only on q and its verdicts). One object per row
+    and step; `start` before each chain.
     """
 
     verify_cost: float
     verify_overhead: float = 0.0
     screened_share: float = 0.0
     draft_cost: float = 0.0
+    rate: float = 1.0
 
     def __post_init__(self) -> None:
         self.start()
 
     def start(self) -> None:
-        self.chain, self.expected, self.cost, self.drafted = 1.0, 1.0, 1.0 + self.verify_overhead, 0
+        self.chain, self.last, self.gained, self.spent, self.drafted = 1.0, 1.0, 0.0, self.verify_overhead, 0
         self.looked = 0  # positions whose confidence was read: the draft forwards this chain took
 
-    def _extra(self) -> float:
+    def _score_cost(self) -> float:
         c, f = self.verify_cost, self.screened_share
-        return self.draft_cost + c * ((1 - f) + f * self.chain)
-
-    def pays(self, chain: float) -> bool:
-        """Whether a next token whose chain probability is `chain` raises expected tokens per cost."""
-        return chain * self.cost > self.expected * self._extra()
+        return c * ((1 - f) + f * self.chain)
 
     def take(self, p: float) -> bool:
-        """The next token's confidence p: keep it (True, and count it in the chain) or stop."""
+        """The next token's confidence p (its position read): keep it (True, counted in the chain) or stop."""
         self.looked += 1
         chain = self.chain * p
-        if not self.pays(chain):
+        cost = self._score_cost()
+        if not chain > self.rate * cost:
             return False
-        self.cost += self._extra()
-        self.expected += chain
-        self.chain = chain
+        self.spent += cost
+        self.gained += chain
+        self.chain, self.last = chain, p
         self.drafted += 1
         return True
 
+    def more(self) -> bool:
+        """Whether to read the next position: its chain, guessed at P_i p_i, pays a forward and a score."""
+        return self.chain * self.last > self.rate * (self.draft_cost + self._score_cost())
+
     def worth(self) -> bool:
-        """Whether the chain kept beats a plain step (1 token for 1); False: draft nothing."""
-        return self.drafted > 0 and self.expected > self.cost
+        """Whether the chain kept gains more than its scoring buys at the row's rate; False: draft nothing."""
+        return self.drafted > 0 and self.gained > self.rate * self.spent
 
 
 @dataclass

@@ -136,8 +136,8 @@ def parse_configs(text: str, draft_model: str | None = None) -> list[BenchConfig
 
 WORKER_PREFIXES = {"ref@": "ref", "this@": "this"}
 # Options a ref@ configuration cannot pass on: the worker reaches the other tree only through
-# `Engine.load`'s keywords, and the n-gram range is not one of them.
-REF_UNSUPPORTED = ("max_ngram", "min_ngram")
+# `Engine.load`'s keywords, and the n-gram range and the draft's prompt window are not among them.
+REF_UNSUPPORTED = ("max_ngram", "min_ngram", "window")
 
 
 def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:

@@ -281,13 +281,15 @@ class TreeShape:
         return f"{self.depth}x{self.top_k}x{self.budget}"
 
 
-def draft_chain(choose, advance, logits, k: int) -> Proposal:
+def draft_chain(choose, advance, logits, k: int, more=None) -> Proposal:
     """Draft a chain of up to `k` tokens from a model that drafts one token per pass.
 
     choose(logits) -> (token, q): the next draft token and its processed distribution (q = None
     for greedy), or (None, None) to stop (a confidence cut-off); advance(token, i) -> the logits
     after feeding draft token number i (0-based). The last draft is never fed: nothing reads its
-    logits yet. Returns the tokens with q stacked to [len(tokens), vocab] (None when greedy).
+    logits yet; nor is one after which `more()` (optional) says not to read the next position
+    (`policy.ChainStop.more`). Returns the tokens with q stacked to [len(tokens), vocab] (None when
+    greedy).
     """
     import torch
 
@@ -300,17 +302,18 @@ def draft_chain(choose, advance, logits, k: int) -> Proposal:
         tokens.append(token)
         if q is not None:
             qs.append(q)
-        if len(tokens) == k:
+        if len(tokens) == k or (more is not None and not more()):
             break
         logits = advance(token, len(tokens) - 1)
     return Proposal(tokens, torch.stack(qs) if qs else None)
 
 
-def draft_rows(drafters, logits: dict, ks: list[int], advance) -> list[Proposal]:
+def draft_rows(drafters, logits: dict, ks: list[int], advance, more=None) -> list[Proposal]:
     """`draft_chain` for several rows at once: row i (a key of `logits`, its next-token logits)
     drafts up to ks[i] tokens with `drafters[i]._choose`; `advance({i: token})` feeds each still
     drafting row its last token in one batched call and returns {i: logits after it}. Rows not in
-    `logits` propose nothing. The last draft of a row is never fed: nothing reads its logits yet."""
+    `logits` propose nothing. The last draft of a row is never fed: nothing reads its logits yet;
+    nor is one after which `more(i)` (optional) says not to read row i's next position."""
     import torch
 
     tokens: dict[int, list[int]] = {i: [] for i in logits}
@@ -326,7 +329,7 @@ def draft_rows(drafters, logits: dict, ks: list[int], advance) -> list[Proposal]
             tokens[i].append(token)
             if q is not None:
                 qs[i].append(q)
-            if len(tokens[i]) == ks[i]:
+            if len(tokens[i]) == ks[i] or (more is not None and not more(i)):
                 active.discard(i)
             else:
                 feed[i] = token

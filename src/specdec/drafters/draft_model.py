@@ -265,7 +265,8 @@ class DraftModelDrafter(DrafterBase):
         # Draft i sits at position len(context) + i; the last one is forwarded next time, if accepted.
         if self._stop is not None:
             self._stop.start()
-        return draft_chain(self._choose, lambda token, i: self._forward([token], len(context) + i), logits, k)
+        return draft_chain(self._choose, lambda token, i: self._forward([token], len(context) + i), logits, k,
+                           None if self._stop is None else self._stop.more)
 
     def stop_by(self, stop) -> None:
         self._stop = stop
@@ -479,7 +480,8 @@ def propose_batch(drafters: list[DraftModelDrafter], contexts: list[list[int]], 
     for i in logits:
         if drafters[i]._stop is not None:
             drafters[i]._stop.start()
-    return draft_rows(drafters, logits, ks, lambda feed: forward({i: [t] for i, t in feed.items()}))
+    return draft_rows(drafters, logits, ks, lambda feed: forward({i: [t] for i, t in feed.items()}),
+                      lambda i: drafters[i]._stop is None or drafters[i]._stop.more())
 
 
 def special_ids(model: Transformer, tokenizer=None) -> list[int]:
