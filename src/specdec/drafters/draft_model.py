@@ -35,6 +35,20 @@ token that will be rejected costs a draft forward and a wider verify pass for no
 a decision taken from the draft's own state before its token is drawn, so it leaves verification
 exact; an empty draft makes the engine do a plain step.
 
+Chain stop. Under the cost rule the engine hands each row a `policy.ChainStop` (`stop_by`) and
+asks for the most tokens the rule allows: `_choose` reports each position's confidence (the same
+top probability) to it, and the chain ends where the product of the confidences so far no longer
+pays for scoring another token, or for reading another position, at the rate the request earns.
+The confidences are the draft's own (q under sampling), read before its token is drawn, so the
+stop leaves verification exact and a seeded request's draws independent of timings (its price is
+the prior). The cut-off above stays a floor under it.
+
+Prompt window (`window=W`, off by default). The draft reads only the prompt's first PROMPT_SINK
+tokens and its last W, at consecutive positions (`_view`): a long prompt's read in `begin` costs
+the draft W + PROMPT_SINK tokens instead of all of them. Only acceptance can change (the target
+verifies); on the tuning prompts it fell on the long summarization and QA prompts and the saving
+did not make up for it, hence off.
+
 Reduced vocabulary (FR-Spec, Zhao et al. 2025). With `vocab=N` the draft scores only N ids: the
 first N of its vocabulary (a byte-level BPE numbers its tokens in merge order, which follows their
 frequency in the tokenizer's corpus) and its special tokens (EOS, end of turn). Its output head is
