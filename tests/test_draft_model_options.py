@@ -111,9 +111,12 @@ def test_a_priced_draft_model_drafts_only_where_it_pays(llama, cost):
         out = engine.generate(prompt_ids=ids, max_new_tokens=32)
         assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=32).token_ids
         drafts, steps = drafts + out.stats.drafts, steps + len(out.steps) - 1
-    if cost < 1:  # often wrong: a few tries (the price is the engine's, learnt across requests), then none
-        assert 0 < drafts < steps / 2
-    else:  # dearer than a target step: never worth a try
+    # The draft is unsure of its tokens (a noisy copy of a flat model): its chains stop where their
+    # confidence does not pay the price (`policy.ChainStop`), at most a few tries; dearer than a
+    # target step, never a token (tests/test_draft_stop.py has the asks and the re-probing).
+    if cost < 1:
+        assert drafts < steps / 2
+    else:
         assert drafts == 0
 
 

@@ -30,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", default="auto",
                      help="auto (default: for a named model with a paired draft model, that draft model with "
                           "its confidence cut-off; otherwise prompt lookup, ngram; the cost-aware draft length "
-                          "drafts only where it pays, a draft model's tokens priced at its measured cost) | none | ngram | suffix | eagle (the shipped head of the default model) | "
+                          "drafts only where it pays, a draft model's tokens priced at its measured cost and "
+                          "its chains ended where the product of its confidences stops paying) | none | ngram | suffix | eagle (the shipped head of the default model) | "
                           "eagle:DIR (a trained head) | a named model or the PATH of a draft model (HF folder or .gguf) "
                           "sharing the vocabulary | ngram+eagle, suffix+eagle, ngram+PATH... (lookup "
                           "where it finds a match, the learned drafter where it does not)")

@@ -428,6 +428,8 @@ class Row:
     # A learned drafter's row: the prompt's final hidden states from the prefill's chunks so far.
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)
     grammar: object = None  # a `structured.GrammarState` at the committed tokens, or None
+    # This step's `policy.ChainStop` for a self-sizing drafter, or None when it is not asked.
+    stop: object = None
 
     @property
     def context(self) -> list[int]:
@@ -870,11 +872,14 @@ class Engine:
             k = plan
             if row.drafter.needs.fallback:
                 started = time.perf_counter()
-                free = row.drafter.propose_free(row.context, plan)
+                free = row.drafter.propose_free(row.context, plan, self._learned_first(row))
                 if free is not None:
                     batched[r] = (free, time.perf_counter() - started)
                     continue
-                k = min(plan, max(1, row.rule.next_k(LEARNED)))
+                if self._stops(row) and row.stop is None:  # its model is not asked this step
+                    batched[r] = (Proposal([], source=LEARNED), 0.0)
+                    continue
+                k = plan if self._stops(row) else min(plan, max(1, row.rule.next_k(LEARNED)))
             groups.setdefault(id(key), []).append((r, row.drafter.batch_member(), k))
         for members in groups.values():
             if len(members) == 1 and not rows[members[0][0]].drafter.needs.fallback:
@@ -975,6 +980,8 @@ class Engine:
                 if row.drafter.needs.observes is not None:
                     row.drafter.observe(hidden[r, keep])  # lead token + accepted path, in order
                 row.drafter.feedback(verdict.num_accepted)
+                if self._stops(row):
+                    self._hear_ask(row, len(tree), verdict.num_accepted, source)
                 if len(tree):
                     row.rule.update(len(tree), verdict.num_accepted, source)
                     # A drafter's price is relative to a plain step: learnt where the pass's modelled
@@ -1000,6 +1007,7 @@ class Engine:
         """How many tokens the row asks its drafter for this step (0: none), or, for a tree row,
         its proposed tree (tree drafting is not batched)."""
         drafter = row.drafter
+        row.stop = None
         # Never draft past the token allowance: those tokens could not be emitted.
         limit = row.out.remaining if (cap is None or row.fixed_k) else min(row.out.remaining, cap)
         if drafter is None or limit <= 0 or not row.out.ids:  # (a joining row's drafter has not begun)
@@ -1011,6 +1019,19 @@ class Engine:
             if len(tree) > budget:
                 raise ValueError(f"{drafter.name} proposed {len(tree)} tree nodes, over the budget of {budget}")
             return tree
+        if self._stops(row):
+            # A drafter that sizes its chains by their price (a draft model's confidence): hand it
+            # this step's price and ask for the most the rule allows, if asking has paid so far
+            # (`policy.AskGate`; a lookup-first row still looks up when its model is not asked).
+            rule = row.rule
+            if rule.gate.asks():
+                d = 0.0 if rule.draft_cost is None else rule.draft_cost.per_token(self._model_source(row))
+                row.stop = policy.ChainStop(rule.verify_cost, rule.verify_overhead, rule.screened_share, d,
+                                            max(1.0, rule.gate.value()))
+            drafter.stop_by(row.stop)
+            return min(rule.k_max, limit) if row.stop is not None or drafter.needs.labels_proposals else 0
+        if drafter.needs.stops:
+            drafter.stop_by(None)  # a fixed or adaptive length: the k asked for
         if drafter.needs.labels_proposals:
             # A lookup's kind is known once it is found, and looking up is free: ask for the most
             # the rule may keep, then keep what it wants for that kind (`_draft`).
@@ -1018,6 +1039,42 @@ class Engine:
         # The kind of guess is known before asking (one kind): nothing to propose when the rule
         # wants no draft (a model drafter's forward would be spent for nothing).
         return min(row.rule.next_k(), limit)
+
+    @staticmethod
+    def _stops(row: Row) -> bool:
+        """Whether the row's drafter sizes its own chains by their price (`ChainStop`), under the
+        cost rule; a fixed or adaptive length is the k asked for."""
+        return row.drafter.needs.stops and isinstance(row.rule, policy.CostAwareDraftLength)
+
+    @staticmethod
+    def _model_source(row: Row) -> object:
+        """`Proposal.source` of the drafts a row's model drafter makes (LEARNED in a lookup-first
+        combination, None alone)."""
+        return LEARNED if row.drafter.needs.labels_proposals else None
+
+    def _learned_first(self, row: Row):
+        """For a lookup-first row whose model sizes its own chains and is asked this step: a test of
+        a lookup guess's kind, True where the model's asks have been worth more per plain step
+        (`AskGate.value`) than that kind at its best length (`CostAwareDraftLength.value`);
+        otherwise None (lookup's guess first, as ever)."""
+        if not self._stops(row) or row.stop is None:
+            return None
+        rule = row.rule
+        learned = rule.gate.value()
+        return lambda source: learned > rule.value(source)
+
+    def _hear_ask(self, row: Row, drafted: int, accepted: int, source: object) -> None:
+        """The ask gate hears what this step's ask of a self-sizing drafter gained and cost, or
+        that it was not asked (a lookup's proposal in its place says neither)."""
+        gate = row.rule.gate
+        if row.stop is None:
+            gate.observe_skip()
+        elif source == self._model_source(row):
+            stop = row.stop
+            cost = stop.draft_cost * stop.looked
+            if drafted:
+                cost += stop.verify_overhead + stop.verify_cost * drafted
+            gate.observe_ask(accepted, cost)
 
     def _draft(self, row: Row, plan: int | TokenTree, made: tuple[Proposal, float] | None
                ) -> tuple[TokenTree, torch.Tensor | None, object]:
@@ -1041,13 +1098,26 @@ class Engine:
             if drafter.needs.fallback:
                 # Where lookup finds nothing, the learned drafter drafts what the rule wants for
                 # its kind (a fixed length: k).
-                proposal = drafter.propose(row.context, k, fallback_k=max(1, rule.next_k(LEARNED)))
+                if self._stops(row):
+                    fallback = k if row.stop is not None else 0
+                else:
+                    fallback = max(1, rule.next_k(LEARNED))
+                proposal = drafter.propose(row.context, k, fallback_k=fallback, learned_first=self._learned_first(row))
             else:
                 proposal = drafter.propose(row.context, k)
             seconds = time.perf_counter() - started
         if row.draft_cost is not None and not row.fixed_k:
-            row.draft_cost.observe_draft(proposal.source, len(proposal.tokens), seconds)
-        k = min(k, rule.next_k(proposal.source))
+            # A self-sized chain's price is per draft forward (positions its stop read), which is
+            # what its stop weighs; per drafted token it would count the forward that found the
+            # chain not worth going on, and price itself out.
+            forwards = len(proposal.tokens)
+            if row.stop is not None and proposal.source == self._model_source(row):
+                forwards = row.stop.looked
+            row.draft_cost.observe_draft(proposal.source, forwards, seconds)
+        if not (self._stops(row) and proposal.source == self._model_source(row)):
+            k = min(k, rule.next_k(proposal.source))
+        elif row.stop is not None and not row.stop.worth():
+            k = 0  # a self-sized chain keeps what it drafted, if it beats a plain step at all
         q = None if proposal.q is None else proposal.q[:k]
         return TokenTree.chain(proposal.tokens[:k]), q, proposal.source
 

@@ -209,6 +209,7 @@ class CostAwareDraftLength:
             raise InvalidRequestError(f"screened_share must be in [0, 1), got {self.screened_share!r}",
                                       param="screened_share")
         self._counts: dict[object, list[float]] = {}  # source -> [accepted tokens, rejections]
+        self.gate = AskGate()  # whether a self-sizing drafter is asked this step (`ChainStop`)
 
     def acceptance(self, source: object = None) -> float:
         accepted, rejected = self._counts.get(source, (0.0, 0.0))
@@ -224,6 +225,13 @@ class CostAwareDraftLength:
 
     def next_k(self, source: object = None) -> int:
         """The k in 0 .. k_max with the highest expected tokens per unit of step cost."""
+        return self._best(source)[0]
+
+    def value(self, source: object = None) -> float:
+        """The expected tokens per plain step of drafting `source`'s kind at its best k (1: a plain step)."""
+        return self._best(source)[1]
+
+    def _best(self, source: object) -> tuple[int, float]:
         a, c, f = self.acceptance(source), self.verify_cost, self.screened_share
         d = 0.0 if self.draft_cost is None else self.draft_cost.per_token(source)
         best_k, best, expected = 0, 1.0, 1.0  # k = 0: one token for one plain step
@@ -232,7 +240,7 @@ class CostAwareDraftLength:
             value = expected / (1 + self.verify_overhead + c * ((1 - f) * k + f * (expected - 1)) + d * k)
             if value > best:
                 best_k, best = k, value
-        return best_k
+        return best_k, best
 
     def update(self, num_proposed: int, num_accepted: int, source: object = None) -> None:
         if not 0 <= num_accepted <= num_proposed:
@@ -242,6 +250,124 @@ class CostAwareDraftLength:
         counts = self._counts.setdefault(source, [0.0, 0.0])
         counts[0] += num_accepted
         counts[1] += num_accepted < num_proposed
+
+
+@dataclass
+class ChainStop:
+    """Where a drafter that knows its confidence stops its chain (after SpecDec++, Huang et al. 2024).
+
+    A draft model's confidence in its next token (its top probability; of q under sampling) predicts
+    the target's acceptance of that token: on the Qwen2.5-Coder pair a token drafted at confidence p
+    was accepted about p of the time (scripts/draft_tuning_prompts.jsonl, greedy). So the chance that
+    the whole chain up to token i is accepted is about P_i = p_1 p_2 ... p_i: token i adds P_i
+    expected tokens to its step. Costs, in plain steps (the cost model of `CostAwareDraftLength`):
+    reading one more position's confidence is a draft forward, d; a kept token is scored by the
+    target, c (of which a screened row pays the head's share f only for rows reached, P_{i-1} of
+    the time); a chain of any length k >= 1 pays the verify overhead c0 once.
+
+    What is to be maximised is the request's tokens per plain step over all its steps, R, not one
+    step's ratio: a step's drafts are worth their cost where they gain more than R would buy with
+    it (Dinkelbach's view of a ratio). Two decisions follow:
+
+    * keep a token whose confidence was read (its forward is spent) while P_i > R c_i;
+    * read the next position only while the chain looks able to pay for that forward too:
+      P_i p_i > R (d + c), the next confidence guessed to be like the last (`more`). Without this,
+      every chain ends with a forward spent to learn that its next token does not pay: on a draft
+      costing a quarter of a target step that forward is most of what drafting loses.
+
+    The chain is sent at all only where P_1 + ... + P_k beats R (c0 + c k) (`worth`). R, `rate`,
+    is what the row's asks have earned so far (`AskGate.value`, at least 1). The fixed cut-off
+    `draft_p_min` tests each token's p alone: it stops a chain of near-certain tokens at the first
+    slightly uncertain one and lets a chain of 0.55s run to a product no draft earns back.
+
+    `verify_cost` c, `verify_overhead` c0, `screened_share` f: the target's, as in
+    `CostAwareDraftLength`; `draft_cost` d: the drafter's price per draft forward (for a seeded
+    sampled row, the prior, so its drafts depend only on q and its verdicts). One object per row
+    and step; `start` before each chain.
+    """
+
+    verify_cost: float
+    verify_overhead: float = 0.0
+    screened_share: float = 0.0
+    draft_cost: float = 0.0
+    rate: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        self.chain, self.last, self.gained, self.spent, self.drafted = 1.0, 1.0, 0.0, self.verify_overhead, 0
+        self.looked = 0  # positions whose confidence was read: the draft forwards this chain took
+
+    def _score_cost(self) -> float:
+        c, f = self.verify_cost, self.screened_share
+        return c * ((1 - f) + f * self.chain)
+
+    def take(self, p: float) -> bool:
+        """The next token's confidence p (its position read): keep it (True, counted in the chain) or stop."""
+        self.looked += 1
+        chain = self.chain * p
+        cost = self._score_cost()
+        if not chain > self.rate * cost:
+            return False
+        self.spent += cost
+        self.gained += chain
+        self.chain, self.last = chain, p
+        self.drafted += 1
+        return True
+
+    def more(self) -> bool:
+        """Whether to read the next position: its chain, guessed at P_i p_i, pays a forward and a score."""
+        return self.chain * self.last > self.rate * (self.draft_cost + self._score_cost())
+
+    def worth(self) -> bool:
+        """Whether the chain kept gains more than its scoring buys at the row's rate; False: draft nothing."""
+        return self.drafted > 0 and self.gained > self.rate * self.spent
+
+
+@dataclass
+class AskGate:
+    """Whether to ask a self-sizing drafter (`ChainStop`) at all this step.
+
+    Asking is not free even when nothing comes of it: the draft model reads the new context and
+    scores one position before its chain stop can say "not worth a token" (d plain steps). So the
+    row keeps two exponentially weighted means over its asks: the tokens an ask gained (accepted
+    drafts) and what it cost in plain steps (d per draft forward, c per scored draft, c0 once),
+    and asks while the gain is the larger. Both start from an optimistic prior (`prior_gain`,
+    `prior_cost`: two asks that gained a token each at half its price), so the first steps ask
+    and one unlucky chain does not end drafting. A step that does not ask fades the
+    evidence (`decay`) and the prior regains its weight, so a drafter switched off by a poor spell
+    is probed again now and then (about every 1 / (1 - decay) steps once the evidence is old):
+    a request whose text turns predictable later gets its drafts back. Deterministic given the
+    verdicts and the prices, as a seeded sampled row needs (its d is the prior).
+    """
+
+    decay: float = 0.97
+    prior_gain: float = 2.0
+    prior_cost: float = 1.0
+
+    prior_asks: float = 2.0
+
+    def __post_init__(self) -> None:
+        self.gain, self.cost, self.count = 0.0, 0.0, 0.0  # weighted sums over the asks
+
+    def asks(self) -> bool:
+        return self.gain + self.prior_gain > self.cost + self.prior_cost
+
+    def value(self) -> float:
+        """Expected tokens per plain step of a step that asks (1: a plain step's)."""
+        n = self.count + self.prior_asks
+        return (n + self.gain + self.prior_gain) / (n + self.cost + self.prior_cost)
+
+    def observe_ask(self, gained: float, cost: float) -> None:
+        self.gain = self.decay * self.gain + gained
+        self.cost = self.decay * self.cost + cost
+        self.count = self.decay * self.count + 1
+
+    def observe_skip(self) -> None:
+        self.gain *= self.decay
+        self.cost *= self.decay
+        self.count *= self.decay
 
 
 def row_rule(draft_length: str, k: int, *, model=None, verify_cost: float | None = None,

@@ -32,6 +32,8 @@ class DecodingSettings:
     num_speculative_tokens: int = 5
     # The chain rule: "cost" (priced per kind of proposal), "fixed", "adaptive" (+2/-1). None:
     # "cost" for chains, "fixed" for a tree, whose shape is fixed (`policy.default_draft_length`).
+    # Under "cost" a draft model sizes each chain from its own confidences (`policy.ChainStop`),
+    # since they track the target's acceptance token by token, which one acceptance rate does not.
     draft_length: str | None = None
     # Token trees instead of chains (DEPTHxTOPKxBUDGET or a TreeShape); None: chains.
     draft_tree: TreeShape | str | None = None
@@ -39,7 +41,8 @@ class DecodingSettings:
     # (policy.DEFAULT_VERIFY_COSTS); a number overrides them for every target.
     verify_cost: float | None = None
     verify_overhead: float | None = None
-    # A draft model's confidence cut-off: it stops drafting below this probability. None: the
+    # A draft model's confidence cut-off: it stops drafting below this probability (a floor under
+    # the cost rule's chain stop, the only stop under a fixed or adaptive length). None: the
     # drafter's own default; 0 = off.
     draft_p_min: float | None = None
     # The draft model's quantisation: None / "auto" = the target's (an int8 target drafts with

@@ -13,6 +13,7 @@ An option is `key=value` or a bare flag (`adaptive`). Examples::
                                the default); it runs quantised as the target does (draft_quantize=none|int8|int4)
     draft:k=4:lookup=ngram     prompt lookup first, the draft model where lookup finds nothing
     draft:k=4:vocab=16384      the draft scores only its 16384 most frequent ids (FR-Spec)
+    draft:window=256           the draft reads only the prompt's first 32 and last 256 tokens
     eagle:k=5                  the shipped EAGLE head (eagle:head=DIR for another one)
     eagle:k=8:lookup=ngram     prompt lookup first, the EAGLE head where lookup finds nothing
     plain:quantize=int8        the same target quantised (when Engine.load takes `quantize`)
@@ -55,7 +56,8 @@ KINDS: dict[str, tuple[str, dict[str, object]]] = {
     "suffix": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "max_ngram": int, "min_ngram": int,
                            "dtype": _DTYPE, "quantize": str}),
     "draft": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "model": str, "p_min": float,
-                          "lookup": str, "draft_quantize": str, "vocab": int, "dtype": _DTYPE, "quantize": str}),
+                          "lookup": str, "draft_quantize": str, "vocab": int, "window": int, "dtype": _DTYPE,
+                          "quantize": str}),
     "eagle": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str, "head": str, "p_min": float,
                           "lookup": str, "dtype": _DTYPE, "quantize": str}),
     "hf": ("hf", {"dtype": _DTYPE}),
@@ -134,8 +136,8 @@ def parse_configs(text: str, draft_model: str | None = None) -> list[BenchConfig
 
 WORKER_PREFIXES = {"ref@": "ref", "this@": "this"}
 # Options a ref@ configuration cannot pass on: the worker reaches the other tree only through
-# `Engine.load`'s keywords, and the n-gram range is not one of them.
-REF_UNSUPPORTED = ("max_ngram", "min_ngram")
+# `Engine.load`'s keywords, and the n-gram range and the draft's prompt window are not among them.
+REF_UNSUPPORTED = ("max_ngram", "min_ngram", "window")
 
 
 def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
@@ -263,7 +265,7 @@ def _convert(item: str, key: str, value: str, kind_of) -> object:
         converted = kind_of(value)
     except ValueError:
         raise InvalidRequestError(f"{item!r}: {key}={value!r} is not a valid {kind_of.__name__}", "configs") from None
-    if key in ("k", "n", "threads", "max_ngram", "min_ngram") and converted < 1:
+    if key in ("k", "n", "threads", "max_ngram", "min_ngram", "window") and converted < 1:
         raise InvalidRequestError(f"{item!r}: {key} must be >= 1", "configs")
     if key == "vocab" and converted < 0:
         raise InvalidRequestError(f"{item!r}: vocab must be >= 0 (0 = the full vocabulary)", "configs")

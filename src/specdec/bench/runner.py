@@ -830,7 +830,7 @@ def _drafter_factory(c: BenchConfig, base, drafts: dict, log) -> Callable[[], ob
     model, tokenizer = drafts[key]
     p_min = c.options.get("p_min", DEFAULT_DRAFT_P_MIN)
     drafter = DraftModelDrafter(model, base.model.config.vocab_size, p_min, tokenizer, base.tokenizer,
-                                c.options.get("vocab"))
+                                c.options.get("vocab"), window=c.options.get("window"))
     drafter.measure_cost(base.model)  # the cost-aware draft length's price of a draft token
     if c.options.get("lookup"):  # prompt lookup first, the draft model where it finds nothing
         return lambda: lookup_first(lookup_drafter(c.options["lookup"], {}), drafter)

@@ -84,6 +84,9 @@ class DrafterNeeds:
         for zero tokens when the rule wants some.
     fallback: whether `propose` takes `fallback_k`, the length for the learned part of a
         lookup-first combination where lookup found nothing.
+    stops: whether the drafter sizes its own chains by their price (`stop_by`, a
+        `policy.ChainStop`): the core then asks it for the most the rule allows and keeps what it
+        drafts, rather than fixing k from the acceptance measured so far.
     """
 
     observes: tuple[int, ...] | None = None
@@ -91,6 +94,7 @@ class DrafterNeeds:
     labels_proposals: bool = False
     model: bool = False
     fallback: bool = False
+    stops: bool = False
 
 
 LOOKUP_NEEDS = DrafterNeeds(labels_proposals=True)
@@ -168,15 +172,21 @@ class Drafter(Protocol):
         forward per draft position for a draft model)."""
         ...
 
-    def propose_free(self, context: list[int], k: int) -> Proposal | None:
+    def propose_free(self, context: list[int], k: int, learned_first=None) -> Proposal | None:
         """With `needs.fallback`: the proposal that costs no model forward (a lookup's), or None
-        when there is none: the row then drafts with `batch_member()`, in the batched forward of
-        its batch key with the other drafting rows."""
+        when there is none, or when `learned_first(its source)` prefers the learned part: the row
+        then drafts with `batch_member()`, in the batched forward of its batch key with the other
+        drafting rows."""
         ...
 
     def batch_member(self) -> "Drafter":
         """The drafter whose `propose_batch` this row joins: itself, or a lookup-first
         combination's learned part."""
+        ...
+
+    def stop_by(self, stop) -> None:
+        """With `needs.stops`: the `policy.ChainStop` (or None: draft the k asked for) that ends
+        this row's next chains; set by the core before each proposal."""
         ...
 
     def feedback(self, num_accepted: int) -> None:
@@ -217,11 +227,14 @@ class DrafterBase:
     def propose_batch(self, drafters, contexts, ks):
         return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]
 
-    def propose_free(self, context: list[int], k: int) -> Proposal | None:
+    def propose_free(self, context: list[int], k: int, learned_first=None) -> Proposal | None:
         return None
 
     def batch_member(self):
         return self
+
+    def stop_by(self, stop) -> None:
+        pass
 
     def feedback(self, num_accepted: int) -> None:
         pass
@@ -268,13 +281,15 @@ class TreeShape:
         return f"{self.depth}x{self.top_k}x{self.budget}"
 
 
-def draft_chain(choose, advance, logits, k: int) -> Proposal:
+def draft_chain(choose, advance, logits, k: int, more=None) -> Proposal:
     """Draft a chain of up to `k` tokens from a model that drafts one token per pass.
 
     choose(logits) -> (token, q): the next draft token and its processed distribution (q = None
     for greedy), or (None, None) to stop (a confidence cut-off); advance(token, i) -> the logits
     after feeding draft token number i (0-based). The last draft is never fed: nothing reads its
-    logits yet. Returns the tokens with q stacked to [len(tokens), vocab] (None when greedy).
+    logits yet; nor is one after which `more()` (optional) says not to read the next position
+    (`policy.ChainStop.more`). Returns the tokens with q stacked to [len(tokens), vocab] (None when
+    greedy).
     """
     import torch
 
@@ -287,17 +302,18 @@ def draft_chain(choose, advance, logits, k: int) -> Proposal:
         tokens.append(token)
         if q is not None:
             qs.append(q)
-        if len(tokens) == k:
+        if len(tokens) == k or (more is not None and not more()):
             break
         logits = advance(token, len(tokens) - 1)
     return Proposal(tokens, torch.stack(qs) if qs else None)
 
 
-def draft_rows(drafters, logits: dict, ks: list[int], advance) -> list[Proposal]:
+def draft_rows(drafters, logits: dict, ks: list[int], advance, more=None) -> list[Proposal]:
     """`draft_chain` for several rows at once: row i (a key of `logits`, its next-token logits)
     drafts up to ks[i] tokens with `drafters[i]._choose`; `advance({i: token})` feeds each still
     drafting row its last token in one batched call and returns {i: logits after it}. Rows not in
-    `logits` propose nothing. The last draft of a row is never fed: nothing reads its logits yet."""
+    `logits` propose nothing. The last draft of a row is never fed: nothing reads its logits yet;
+    nor is one after which `more(i)` (optional) says not to read row i's next position."""
     import torch
 
     tokens: dict[int, list[int]] = {i: [] for i in logits}
@@ -313,7 +329,7 @@ def draft_rows(drafters, logits: dict, ks: list[int], advance) -> list[Proposal]
             tokens[i].append(token)
             if q is not None:
                 qs[i].append(q)
-            if len(tokens[i]) == ks[i]:
+            if len(tokens[i]) == ks[i] or (more is not None and not more(i)):
                 active.discard(i)
             else:
                 feed[i] = token

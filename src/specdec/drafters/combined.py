@@ -33,7 +33,8 @@ class LookupFirstDrafter(DrafterBase):
         self.fallback_k = fallback_k
         self.name = f"{lookup.name}+{learned.name}"
         self.needs = DrafterNeeds(observes=learned.needs.observes, trees=lookup.needs.trees and learned.needs.trees,
-                                  labels_proposals=True, model=learned.needs.model, fallback=True)
+                                  labels_proposals=True, model=learned.needs.model, fallback=True,
+                                  stops=learned.needs.stops)
         self._last = lookup
 
     @property
@@ -64,19 +65,26 @@ class LookupFirstDrafter(DrafterBase):
     def batch_member(self):
         return self.learned
 
-    def propose_free(self, context: list[int], k: int) -> Proposal | None:
-        """Lookup's proposal of up to `k` tokens, or None (the learned part drafts next)."""
+    def stop_by(self, stop) -> None:
+        # Only the learned part's chains are sized by their price; a lookup's is cut by the rule.
+        self.learned.stop_by(stop)
+
+    def propose_free(self, context: list[int], k: int, learned_first=None) -> Proposal | None:
+        """Lookup's proposal of up to `k` tokens, or None (the learned part drafts next): where
+        lookup finds nothing, or where `learned_first(source)` says the learned drafter is worth
+        more than a lookup guess of that kind (a short match's)."""
         proposal = self.lookup.propose(context, k)
-        if proposal.tokens:
+        if proposal.tokens and not (learned_first is not None and learned_first(proposal.source)):
             self._last = self.lookup
             return proposal
         self._last = self.learned
         return None
 
-    def propose(self, context: list[int], k: int, fallback_k: int | None = None) -> Proposal:
-        """Lookup's proposal of up to `k` tokens if it has one, else up to `fallback_k` (default
+    def propose(self, context: list[int], k: int, fallback_k: int | None = None, learned_first=None) -> Proposal:
+        """Lookup's proposal of up to `k` tokens if it has one (and `learned_first` does not prefer
+        the learned drafter, see `propose_free`), else up to `fallback_k` (default
         `self.fallback_k`, never more than `k`) from the learned drafter, labelled `LEARNED`."""
-        proposal = self.propose_free(context, k)
+        proposal = self.propose_free(context, k, learned_first)
         if proposal is not None:
             return proposal
         n = min(k, self.fallback_k if fallback_k is None else fallback_k)

@@ -35,6 +35,20 @@ token that will be rejected costs a draft forward and a wider verify pass for no
 a decision taken from the draft's own state before its token is drawn, so it leaves verification
 exact; an empty draft makes the engine do a plain step.
 
+Chain stop. Under the cost rule the engine hands each row a `policy.ChainStop` (`stop_by`) and
+asks for the most tokens the rule allows: `_choose` reports each position's confidence (the same
+top probability) to it, and the chain ends where the product of the confidences so far no longer
+pays for scoring another token, or for reading another position, at the rate the request earns.
+The confidences are the draft's own (q under sampling), read before its token is drawn, so the
+stop leaves verification exact and a seeded request's draws independent of timings (its price is
+the prior). The cut-off above stays a floor under it.
+
+Prompt window (`window=W`, off by default). The draft reads only the prompt's first PROMPT_SINK
+tokens and its last W, at consecutive positions (`_view`): a long prompt's read in `begin` costs
+the draft W + PROMPT_SINK tokens instead of all of them. Only acceptance can change (the target
+verifies); on the tuning prompts it fell on the long summarization and QA prompts and the saving
+did not make up for it, hence off.
+
 Reduced vocabulary (FR-Spec, Zhao et al. 2025). With `vocab=N` the draft scores only N ids: the
 first N of its vocabulary (a byte-level BPE numbers its tokens in merge order, which follows their
 frequency in the tokenizer's corpus) and its special tokens (EOS, end of turn). Its output head is
@@ -90,6 +104,10 @@ DEFAULT_DRAFT_P_MIN = 0.0
 _INITIAL_ROOM = 256  # cache slots beyond the prompt at `begin`; the cache doubles when full
 _SAMPLE_IDS = 512  # ids whose spelling is compared between the two tokenizers
 _BATCHED_CATCH_UP = 4  # context tokens a row catches up with inside a batched forward, at most
+# With a prompt window, the prompt's first tokens the draft always reads: a chat template's system
+# turn and the start of the user's, which also serve as the attention sink a model expects at the
+# start of its context (StreamingLLM, Xiao et al. 2023).
+PROMPT_SINK = 32
 
 
 class DraftModelDrafter(DrafterBase):
@@ -103,7 +121,7 @@ class DraftModelDrafter(DrafterBase):
     """
 
     name = "draft_model"
-    needs = DrafterNeeds(model=True)
+    needs = DrafterNeeds(model=True, stops=True)
 
     def __init__(
         self,
@@ -114,6 +132,7 @@ class DraftModelDrafter(DrafterBase):
         target_tokenizer=None,
         vocab: int | None = None,
         int4_head: bool | None = None,
+        window: int | None = None,
     ):
         check_same_vocabulary(target_vocab_size, model.config.vocab_size, target_tokenizer, tokenizer)
         self.model = model
@@ -136,6 +155,11 @@ class DraftModelDrafter(DrafterBase):
         self._tokens: list[int] = []  # ids whose keys/values the cache holds, in order
         self._pool: DraftPool | None = None  # shared by the spawned rows of a server (`reserve`)
         self._slot: int | None = None  # this request's row of the pool's cache
+        self._stop = None  # the row's `policy.ChainStop` (`stop_by`); None: draft the k asked for
+        # Prompt window: the draft reads the prompt's first PROMPT_SINK tokens and its last `window`
+        # (None: all of it); `_cut` is where this request's skipped middle ends (0: nothing skipped).
+        self.window = window
+        self._cut = 0
 
     @classmethod
     def load(
@@ -195,6 +219,7 @@ class DraftModelDrafter(DrafterBase):
         twin = type(self).__new__(type(self))
         twin.__dict__.update(self.__dict__)
         twin._slot = None
+        twin._stop = None
         twin.end([])
         twin._sampling = SamplingParams()
         return twin
@@ -232,12 +257,15 @@ class DraftModelDrafter(DrafterBase):
         else:
             self._cache = self.model.new_cache(1, len(prompt_ids) + _INITIAL_ROOM)
         self._tokens = []
+        self._cut = 0
+        if self.window is not None and len(prompt_ids) > PROMPT_SINK + self.window:
+            self._cut = len(prompt_ids) - self.window
         # The prompt's keys and values now, with the target's prefill, not in the first `propose`:
         # the engine times each propose as the price of its draft tokens (`policy.DraftCost`), and
         # a first proposal charged with a whole prompt's forward priced the draft model out for
         # good (it then drafted nothing more to be measured again).
         if prompt_ids:
-            self._sync(list(prompt_ids))
+            self._sync(self._view(prompt_ids))
 
     def propose(self, context: list[int], k: int) -> Proposal:
         check_k(k)
@@ -246,24 +274,44 @@ class DraftModelDrafter(DrafterBase):
             return Proposal([])
         if self._cache is None:  # propose without begin: start a greedy request
             self.begin(list(context))
+        context = self._view(context)
         logits = self._sync(context)  # [vocab_target] for the token after context
         # Draft i sits at position len(context) + i; the last one is forwarded next time, if accepted.
-        return draft_chain(self._choose, lambda token, i: self._forward([token], len(context) + i), logits, k)
+        if self._stop is not None:
+            self._stop.start()
+        return draft_chain(self._choose, lambda token, i: self._forward([token], len(context) + i), logits, k,
+                           None if self._stop is None else self._stop.more)
+
+    def stop_by(self, stop) -> None:
+        self._stop = stop
+
+    def _view(self, context: Sequence[int]) -> list[int]:
+        """What the draft reads of `context`: all of it, or with a prompt window the prompt's first
+        PROMPT_SINK tokens and everything from `_cut` on, at consecutive positions."""
+        if not self._cut:
+            return list(context)
+        return list(context[:PROMPT_SINK]) + list(context[self._cut:])
 
     def _choose(self, logits: Tensor) -> tuple[int | None, Tensor | None]:
         """One draft position: (token, q row) from logits [target_vocab]; token None = stop here.
 
-        Greedy: the argmax, q None (one-hot); the cut-off reads the raw softmax. Sampling: q is the
-        processed distribution, the token is drawn from it; the cut-off reads q.
+        Greedy: the argmax, q None (one-hot); the cut-off and the chain stop read the raw softmax.
+        Sampling: q is the processed distribution, the token is drawn from it; they read q.
         """
         if self._sampling.greedy:
-            if self.draft_p_min > 0 and float(logits.softmax(-1).max()) < self.draft_p_min:
+            if (self.draft_p_min > 0 or self._stop is not None) and not self._keeps(float(logits.softmax(-1).max())):
                 return None, None
             return greedy_tokens(logits[None])[0], None
         q = process_logits(logits, self._sampling)  # [target_vocab]
-        if self.draft_p_min > 0 and float(q.max()) < self.draft_p_min:
+        if (self.draft_p_min > 0 or self._stop is not None) and not self._keeps(float(q.max())):
             return None, None
         return int(sample(q, self._generator)), q
+
+    def _keeps(self, p: float) -> bool:
+        """Whether a draft token of confidence p is proposed: the chain stop (told of every position
+        read, so it counts the forwards) and the cut-off both agree."""
+        keep = self._stop is None or self._stop.take(p)
+        return keep and p >= self.draft_p_min
 
     def feedback(self, num_accepted: int) -> None:
         # Nothing to do: the next propose truncates the rejected drafts by the prefix rule.
@@ -396,6 +444,7 @@ def propose_batch(drafters: list[DraftModelDrafter], contexts: list[list[int]], 
     for k in ks:
         check_k(k)
     ks = [min(k, d.model.config.max_position - len(c)) for d, c, k in zip(drafters, contexts, ks)]
+    contexts = [d._view(c) for d, c in zip(drafters, contexts)]
     slots = [d._slot for d in drafters]
     lo, hi = min(slots), max(slots) + 1
     view = cache.rows(hi, lo)
@@ -442,7 +491,11 @@ def propose_batch(drafters: list[DraftModelDrafter], contexts: list[list[int]], 
         news[i] = list(context[keep:])
     if news:
         logits.update(forward(news))
-    return draft_rows(drafters, logits, ks, lambda feed: forward({i: [t] for i, t in feed.items()}))
+    for i in logits:
+        if drafters[i]._stop is not None:
+            drafters[i]._stop.start()
+    return draft_rows(drafters, logits, ks, lambda feed: forward({i: [t] for i, t in feed.items()}),
+                      lambda i: drafters[i]._stop is None or drafters[i]._stop.more())
 
 
 def special_ids(model: Transformer, tokenizer=None) -> list[int]:

@@ -1,0 +1,209 @@
+"""A draft model that sizes its own chains: the price-based chain stop (`policy.ChainStop`), the
+ask gate that re-probes a drafter it stopped asking (`policy.AskGate`), and the prompt window; the
+output stays exact (greedy identity; sampled distribution by a chi-square test)."""
+
+import pytest
+import torch
+
+from specdec import Engine, SamplingParams
+from specdec.drafters import DraftModelDrafter
+from specdec.drafters.combined import LEARNED, lookup_first
+from specdec.drafters.ngram import NgramDrafter
+from specdec.models import loader
+from specdec.policy import AskGate, ChainStop, DraftCost
+
+from test_draft_model import N_NEW, PROMPT, SAMPLES, SMALL_V, chi_square_p, noisy_copy, small_model
+
+from helpers import TINY_VOCAB as V, make_tiny_hf, random_prompts as prompts
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder, _ = make_tiny_hf(tmp_path_factory.mktemp("v"), "llama", seed=0)
+    model, _ = loader.load(folder, torch.float32, "cpu")
+    return model
+
+
+@pytest.fixture(scope="module")
+def peaky(llama):
+    """The tiny model with a sharpened head: confident enough (top probabilities ~0.4-0.9) that
+    drafting can pay."""
+    state = {k: v.clone() for k, v in llama.state_dict().items()}
+    state["lm_head.weight"] = state["lm_head.weight"] * 40
+    return loader.build_model(llama.config, state, torch.float32, "cpu")
+
+
+# -- the chain stop -----------------------------------------------------------------------------
+
+
+def test_a_read_token_is_kept_when_its_chain_probability_beats_its_score_at_the_rows_rate():
+    # The forward that read token i is spent; scoring it costs c and gains P_i: kept iff P_i > R c.
+    for p, kept in ((0.11, True), (0.09, False)):
+        assert ChainStop(verify_cost=0.1, draft_cost=0.2).take(p) is kept
+    for p, kept in ((0.16, True), (0.14, False)):  # a row earning 1.5 tokens per plain step
+        assert ChainStop(verify_cost=0.1, draft_cost=0.2, rate=1.5).take(p) is kept
+    # An overhead c0 is paid once for the whole chain: a chain is sent only where it earns it.
+    alone = ChainStop(verify_cost=0.1, verify_overhead=0.5, draft_cost=0.2)
+    assert alone.take(0.45) and not alone.worth()  # 0.45 < 0.5 + 0.1
+    shared = ChainStop(verify_cost=0.1, verify_overhead=0.5, draft_cost=0.2)
+    assert shared.take(0.45) and shared.take(0.95) and shared.worth()  # 0.88 > 0.5 + 0.2
+
+
+def test_the_next_position_is_read_only_where_the_chain_looks_able_to_pay_its_forward():
+    stop = ChainStop(verify_cost=0.1, draft_cost=0.2, rate=1.5)  # a read and a score: 0.45 at R = 1.5
+    assert stop.take(0.9) and stop.more()  # 0.81 ahead
+    assert stop.take(0.7) and not stop.more()  # 0.63 * 0.7 = 0.44 ahead: not worth a forward
+    assert stop.looked == 2 and stop.drafted == 2
+    stop.start()
+    assert stop.looked == 0 and stop.drafted == 0 and stop.more()
+
+
+def test_the_rate_makes_a_richer_row_pickier():
+    ps = [0.9, 0.8, 0.7, 0.6, 0.5]
+    lengths = []
+    for rate in (1.0, 1.5, 2.5):
+        stop = ChainStop(verify_cost=0.1, draft_cost=0.25, rate=rate)
+        kept = 0
+        for p in ps:
+            if not stop.take(p):
+                break
+            kept += 1
+            if not stop.more():
+                break
+        lengths.append(kept)
+    assert lengths[0] > lengths[1] > lengths[2] >= 1
+
+
+def test_a_long_chain_of_near_certain_tokens_is_not_cut_at_a_fixed_confidence():
+    stop = ChainStop(verify_cost=0.1, draft_cost=0.15, rate=1.5)
+    for p in (0.99, 0.98, 0.99, 0.97):
+        assert stop.more() and stop.take(p)
+    assert stop.drafted == 4
+
+
+# -- the ask gate -------------------------------------------------------------------------------
+
+
+def test_the_gate_stops_asking_a_drafter_whose_asks_do_not_pay_and_probes_it_again():
+    gate = AskGate()
+    asks = 0
+    while gate.asks():  # every ask: one draft forward at 0.3, nothing gained
+        gate.observe_ask(0.0, 0.3)
+        asks += 1
+        assert asks < 10
+    assert asks >= 2  # one unlucky ask does not end drafting
+    skips = 0
+    while not gate.asks():
+        gate.observe_skip()
+        skips += 1
+        assert skips < 100
+    assert skips >= 5  # it probes now and then, not every step
+
+
+def test_the_gate_keeps_asking_a_drafter_that_pays():
+    gate = AskGate()
+    for _ in range(200):
+        assert gate.asks()
+        gate.observe_ask(2.0, 0.9)
+
+
+# -- in the engine ------------------------------------------------------------------------------
+
+
+class FixedPrice(DraftCost):
+    """A draft token's price pinned at its prior: the tiny draft models cost about what the target
+    does, and a measured price would (rightly) price them out."""
+
+    def per_token(self, source=None):
+        return self.prior if source in (None, LEARNED) else 0.0  # a lookup's guesses are free
+
+
+def _engine(target, drafter, price=None, **kw):
+    engine = Engine(target, None, drafter=drafter, num_speculative_tokens=5, verify_cost=0.1, verify_overhead=0.0,
+                    **kw)
+    if price is not None:
+        engine.draft_costs[drafter.name] = FixedPrice(prior=price)
+    return engine
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.3])
+def test_a_self_sized_draft_is_exactly_plain_decoding(peaky, noise):
+    drafter = DraftModelDrafter(noisy_copy(peaky, noise, 1) if noise else peaky, V)
+    engine, plain = _engine(peaky, drafter, price=0.1), Engine(peaky, None)
+    lengths = []
+    for ids in prompts(3):
+        out = engine.generate(prompt_ids=ids, max_new_tokens=24)
+        assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=24).token_ids
+        lengths += [s.drafted for s in out.steps if s.kind != "prefill"]
+    assert len(set(lengths)) >= 3  # chains of several lengths: each ends where its confidence says
+
+
+def test_a_draft_that_is_never_confident_is_asked_only_now_and_then(llama):
+    """A costly draft's tokens never pay: it drafts nothing, and the gate stops asking it (no draft
+    forward), probing again every so often rather than never."""
+    drafter = DraftModelDrafter(noisy_copy(llama, 0.5, 3), V)
+    calls = []
+    propose = drafter.propose
+    drafter.propose = lambda context, k: calls.append(len(context)) or propose(context, k)
+    engine = _engine(llama, drafter, price=2.0)
+    ids = prompts(1)[0]
+    out = engine.generate(prompt_ids=ids, max_new_tokens=120, sampling=SamplingParams(ignore_eos=True))
+    assert out.stats.drafts == 0 and len(out.token_ids) == 120
+    asked_at = [n - len(ids) for n in calls]
+    assert 2 <= len(asked_at) < 30
+    assert max(asked_at) > 60  # asked again late: re-probed after a spell without asks
+
+
+def test_a_lookup_first_row_keeps_looking_up_while_its_model_is_not_asked(llama):
+    drafter = DraftModelDrafter(noisy_copy(llama, 0.5, 3), V)
+    combined = lookup_first(NgramDrafter(), drafter)
+    engine, plain = _engine(llama, combined, price=2.0), Engine(llama, None)
+    ids = [5, 6, 7, 8, 9] * 6
+    out = engine.generate(prompt_ids=ids, max_new_tokens=24)
+    assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=24).token_ids
+    assert out.stats.drafts > 0  # the lookup's drafts (the model's never pay at this price)
+
+
+def test_a_fixed_length_is_the_k_asked_for(llama):
+    drafter = DraftModelDrafter(noisy_copy(llama, 0.5, 1), V)
+    out = Engine(llama, None, drafter=drafter, num_speculative_tokens=3, draft_length="fixed").generate(
+        prompt_ids=prompts(1)[0], max_new_tokens=16)
+    assert {s.drafted for s in out.steps if s.kind != "prefill" and s.drafted} <= {3, 2, 1}
+    assert max(s.drafted for s in out.steps) == 3
+
+
+def test_sampling_with_the_chain_stop_follows_the_target():
+    """Seeded sampling under the cost rule: the draft's chains end where its q says, before drawing;
+    the output's distribution is still the target's."""
+    target, draft = small_model(0), small_model(1)
+    drafter = DraftModelDrafter(draft, SMALL_V)
+    engine = Engine(target, None, drafter=drafter, num_speculative_tokens=3, verify_cost=0.1, verify_overhead=0.0)
+    params = SamplingParams(temperature=1.0)
+    counts = {}
+    for seed in range(SAMPLES):
+        out = engine.generate(prompt_ids=PROMPT, max_new_tokens=N_NEW, sampling=SamplingParams(temperature=1.0,
+                                                                                            seed=seed))
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    assert chi_square_p(target, params, counts) > 1e-3
+
+
+# -- the prompt window --------------------------------------------------------------------------
+
+
+def test_a_windowed_draft_reads_the_prompts_start_and_end_and_stays_exact(peaky):
+    from specdec.drafters.draft_model import PROMPT_SINK
+
+    drafter = DraftModelDrafter(noisy_copy(peaky, 0.1, 1), V, window=16)
+    ids = [(7 * i + 3) % V for i in range(120)]
+    drafter.begin(ids)
+    assert drafter.cached_tokens == ids[:PROMPT_SINK] + ids[-16:]
+    engine, plain = _engine(peaky, drafter, price=0.1), Engine(peaky, None)
+    out = engine.generate(prompt_ids=ids, max_new_tokens=24)
+    assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=24).token_ids
+    assert out.stats.drafts > 0
+    short = list(range(PROMPT_SINK + 10))  # within the window: read whole
+    drafter.begin(short)
+    assert drafter.cached_tokens == short
