@@ -69,6 +69,16 @@ _REUSED_ROWS = 64  # input blocks of up to this many rows a plane reuse one buff
 _BLOCK_ELEMENTS = 1 << 22  # float32 elements quantised at a time: 16 MiB, 6553 rows of Gemma's head
 
 
+def _table_empty(shape: tuple[int, int], dtype: torch.dtype, device) -> Tensor:
+    """An empty weight table: on the CPU with the compiled kernels, one that asks for transparent
+    huge pages (cpu_kernels.cpp, `table_empty`: a step streams every weight, and 4 KiB pages slowed
+    that stream); elsewhere torch.empty."""
+    kernels = cpu_kernels.load() if torch.device(device).type == "cpu" else None
+    if kernels is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return kernels.table_empty(list(shape), dtype)
+
+
 def quantize_rows(weight, scratch: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Symmetric per-row int8: weight ~= q * scale[:, None]. Returns (q int8 [N, K], scale float32 [N]).
 
@@ -81,7 +91,7 @@ def quantize_rows(weight, scratch: Tensor | None = None) -> tuple[Tensor, Tensor
     them equals quantising the stacked matrix (`Int8Linear.concat`).
     """
     n, k = weight.shape
-    q = torch.empty((n, k), dtype=torch.int8, device=weight.device)
+    q = _table_empty((n, k), torch.int8, weight.device)
     scale = torch.empty(n, dtype=torch.float32, device=weight.device)
     rows = max(1, min(n, _BLOCK_ELEMENTS // k))
     if scratch is None or scratch.numel() < rows * k or scratch.device != weight.device:
