@@ -76,7 +76,7 @@ constexpr int64_t kHugeTableBytes = int64_t{1} << 20;
 // anonymous mapping that starts on a 2 MiB boundary and asks for transparent huge pages before
 // anything is written to it. Why: a decoding step streams every weight once, and on 4 KiB pages that
 // stream crosses a page (a TLB miss and a new start for the hardware's prefetcher) every 4 KiB; on
-// 2 MiB pages a one-token step of a 1.5B int4 model ran markedly faster. The mapping's length is
+// 2 MiB pages the same step runs faster (BENCHMARKS.md, the T-token pass cost). The mapping's length is
 // rounded up to whole huge pages where that adds at most an eighth of the table (else its tail stays
 // on small pages); where the system declines (no THP, "never"), these are ordinary pages.
 at::Tensor table_empty(std::vector<int64_t> shape, at::ScalarType dtype) {

@@ -34,6 +34,11 @@ stored in blocks of 16 (cpu_kernels.cpp, `int8_pack`): one instruction then mult
 16 outputs, each output summing in its own lane, and the input goes in as its two planes again. The
 sums are the same integers, so the outputs are the same bits; `stored_rows` reads rows back.
 
+Weight tables of 1 MiB and more (int8 rows, packed 4-bit blocks) are allocated on transparent huge
+pages where the system grants them (cpu_kernels.cpp, `table_empty`): a step streams every weight
+once, and on 4 KiB pages that stream crossed a page boundary every 4 KiB. Only where the bytes lie
+changes, not their values.
+
 4-bit weights (`quantize="int4"`, `Int4Linear`). Decoding a larger model reads ~1.5 GB of int8
 weights a token (Qwen2.5 1.5B), so its speed is the memory's: 4 bits and two half-precision numbers
 per group of 32 inputs (weight = a * q + b, q in [0, 15], the group's minimum and step, the shape of
