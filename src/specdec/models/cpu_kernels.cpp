@@ -392,8 +392,9 @@ constexpr int64_t kPackedPassRows = 9;  // rows a pass: 18 sums + the weights in
 // (whole 2-row forwards were slower with the requests, although its 2-row products alone were not)
 // and up to kPrefetchMaxRows8: beyond, its two vpdpbusd a row and group keep the core computing
 // long enough for the hardware's own prefetch, and the requests only added work. The int4 product
-// gained from them at every size from 2 rows on.
-constexpr int64_t kPrefetchRows = 2;
+// asks from 3 rows on: on weights in huge pages (`table_empty`) its 2-row products were slower with
+// the requests (a stream the hardware's prefetcher serves alone, as one row), from 3 rows faster.
+constexpr int64_t kPrefetchRows = 3;
 constexpr int64_t kPrefetchRows8 = 3, kPrefetchMaxRows8 = 16;
 
 // In place: a row-major [N16, KP] int8 table (N16 a multiple of 16) into the packed layout above.
