@@ -1,6 +1,7 @@
 """The compiled CPU kernels compute what the PyTorch paths they replace compute."""
 
 import collections
+import sys
 
 import pytest
 import torch
@@ -106,6 +107,45 @@ def test_int4_linear_vector_path_equals_scalar_path_and_the_formula(kernels, out
         formula += lin.bias.double()
     torch.testing.assert_close(out.double(), formula, rtol=1e-5, atol=1e-5 * float(formula.abs().max()))
     assert torch.equal(out[2], lin.bias if bias else torch.zeros(out_features))
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the huge-page tables are Linux's")
+def test_weight_tables_from_1_mib_on_start_on_a_huge_page_and_are_unmapped_when_freed(kernels):
+    # `table_empty`: a table of 1 MiB and more lies in its own mapping, starting on a 2 MiB boundary
+    # (transparent huge pages asked for); a smaller one is an ordinary tensor. Both are contiguous
+    # tables of the asked shape that hold what is written, and the weight tables of an int4 layer
+    # (packed) and of quantize_rows (int8) are such tables.
+    from specdec.models.quant import Int4Linear, quantize_rows
+
+    huge = 2 << 20
+    big = kernels.table_empty([1024, 1536], torch.int8)
+    assert big.shape == (1024, 1536) and big.dtype == torch.int8 and big.is_contiguous()
+    assert big.data_ptr() % huge == 0
+    values = torch.randint(-127, 128, (1024, 1536), dtype=torch.int8)
+    big.copy_(values)
+    assert torch.equal(big, values)
+    small = kernels.table_empty([10, 7], torch.float32)
+    assert small.shape == (10, 7) and small.dtype == torch.float32 and small.is_contiguous()
+    small.fill_(1.5)
+    assert float(small.sum()) == 105.0
+    g = torch.Generator().manual_seed(3)
+    q, _ = quantize_rows(torch.randn(1024, 1536, generator=g))
+    assert q.data_ptr() % huge == 0
+    lin = Int4Linear(torch.randn(2048, 1536, generator=g) * 0.05)  # packed: 2048 x 960 bytes
+    assert lin._q.data_ptr() % huge == 0
+    # Freed tables give their memory back (the mapping is unmapped): 40 tables of 32 MiB, each
+    # written and dropped in turn, leave the process at most a few of them larger.
+    before = _resident_bytes()
+    for _ in range(40):
+        t = kernels.table_empty([32 << 20], torch.uint8)
+        t.fill_(7)
+        del t
+    assert _resident_bytes() - before < 200 << 20
 
 
 @pytest.mark.skipif(not cpu_int8_available(), reason="needs PyTorch's fbgemm CPU backend")

@@ -69,6 +69,43 @@ inline at::Tensor empty_with_last(const at::Tensor& x, int64_t n) {
   return out;
 }
 
+// Weight tables from this size on get a mapping of their own (`table_empty`).
+constexpr int64_t kHugeTableBytes = int64_t{1} << 20;
+
+// An empty contiguous table for a model's weights. From kHugeTableBytes on it lies in its own
+// anonymous mapping that starts on a 2 MiB boundary and asks for transparent huge pages before
+// anything is written to it. Why: a decoding step streams every weight once, and on 4 KiB pages that
+// stream crosses a page (a TLB miss and a new start for the hardware's prefetcher) every 4 KiB; on
+// 2 MiB pages the same step runs faster (BENCHMARKS.md, the T-token pass cost). The mapping's length is
+// rounded up to whole huge pages where that adds at most an eighth of the table (else its tail stays
+// on small pages); where the system declines (no THP, "never"), these are ordinary pages.
+at::Tensor table_empty(std::vector<int64_t> shape, at::ScalarType dtype) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (bytes >= kHugeTableBytes) {
+    constexpr size_t kHuge = size_t{2} << 20, kPage = size_t{4} << 10;
+    size_t length = (static_cast<size_t>(bytes) + kPage - 1) & ~(kPage - 1);
+    const size_t rounded = (static_cast<size_t>(bytes) + kHuge - 1) & ~(kHuge - 1);
+    if ((rounded - bytes) * 8 <= static_cast<size_t>(bytes)) length = rounded;
+    const size_t reserve = length + kHuge;
+    void* base = mmap(nullptr, reserve, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base != MAP_FAILED) {
+      const uintptr_t first = reinterpret_cast<uintptr_t>(base);
+      const uintptr_t start = (first + kHuge - 1) & ~uintptr_t{kHuge - 1};
+      if (start > first) munmap(base, start - first);  // the unused head and tail of the reservation
+      const uintptr_t stop = start + length, last = first + reserve;
+      if (last > stop) munmap(reinterpret_cast<void*>(stop), last - stop);
+      void* data = reinterpret_cast<void*>(start);
+      madvise(data, length, MADV_HUGEPAGE);
+      return at::from_blob(data, shape, [length](void* p) { munmap(p, length); }, at::TensorOptions().dtype(dtype));
+    }
+  }
+#endif
+  return at::empty(shape, at::TensorOptions().dtype(dtype));
+}
+
 // The int16 grid of Int8Linear (see models/quant.py), one row of x at a time: s = max|x| / 63 (at
 // least FLT_MIN so a zero row stays zero), high = round(x / s), low = round((x / s - high) * 126),
 // and x / s ~= high + low / 126. Rounding is half to even, as torch.round. The AVX2 lanes do the same
@@ -355,8 +392,9 @@ constexpr int64_t kPackedPassRows = 9;  // rows a pass: 18 sums + the weights in
 // (whole 2-row forwards were slower with the requests, although its 2-row products alone were not)
 // and up to kPrefetchMaxRows8: beyond, its two vpdpbusd a row and group keep the core computing
 // long enough for the hardware's own prefetch, and the requests only added work. The int4 product
-// gained from them at every size from 2 rows on.
-constexpr int64_t kPrefetchRows = 2;
+// asks from 3 rows on: on weights in huge pages (`table_empty`) its 2-row products were slower with
+// the requests (a stream the hardware's prefetcher serves alone, as one row), from 3 rows faster.
+constexpr int64_t kPrefetchRows = 3;
 constexpr int64_t kPrefetchRows8 = 3, kPrefetchMaxRows8 = 16;
 
 // In place: a row-major [N16, KP] int8 table (N16 a multiple of 16) into the packed layout above.
@@ -1179,7 +1217,7 @@ at::Tensor int4_pack(at::Tensor q, at::Tensor a, at::Tensor b) {
   q = q.contiguous();
   a = a.contiguous();
   b = b.contiguous();
-  auto packed = at::empty({n16, groups * 20}, q.options());
+  auto packed = table_empty({n16, groups * 20}, at::kByte);
   const uint8_t* qs = q.data_ptr<uint8_t>();
   const uint8_t* as = reinterpret_cast<const uint8_t*>(a.data_ptr<at::Half>());
   const uint8_t* bs = reinterpret_cast<const uint8_t*>(b.data_ptr<at::Half>());
@@ -1852,6 +1890,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_argmax", &int8_argmax, "the argmax of each row of an Int8Linear's output, exact, without the full product");
   m.def("int8_norms", &int8_norms, "the Euclidean norm of each row of a packed int8 table");
 #endif
+  m.def("table_empty", &table_empty, "an empty weight table, on transparent huge pages from 1 MiB on");
   m.def("int4_linear", &int4_linear, "Int4Linear's product: 4-bit weights in groups of 32, int8 input grid");
   m.def("int4_reference", &int4_reference, "Int4Linear's product by the scalar path, whatever the build");
   m.def("int4_pack", &int4_pack, "row-major 4-bit values and their float16 steps and offsets into the packed layout");

@@ -34,6 +34,11 @@ stored in blocks of 16 (cpu_kernels.cpp, `int8_pack`): one instruction then mult
 16 outputs, each output summing in its own lane, and the input goes in as its two planes again. The
 sums are the same integers, so the outputs are the same bits; `stored_rows` reads rows back.
 
+Weight tables of 1 MiB and more (int8 rows, packed 4-bit blocks) are allocated on transparent huge
+pages where the system grants them (cpu_kernels.cpp, `table_empty`): a step streams every weight
+once, and on 4 KiB pages that stream crossed a page boundary every 4 KiB. Only where the bytes lie
+changes, not their values.
+
 4-bit weights (`quantize="int4"`, `Int4Linear`). Decoding a larger model reads ~1.5 GB of int8
 weights a token (Qwen2.5 1.5B), so its speed is the memory's: 4 bits and two half-precision numbers
 per group of 32 inputs (weight = a * q + b, q in [0, 15], the group's minimum and step, the shape of
@@ -69,6 +74,16 @@ _REUSED_ROWS = 64  # input blocks of up to this many rows a plane reuse one buff
 _BLOCK_ELEMENTS = 1 << 22  # float32 elements quantised at a time: 16 MiB, 6553 rows of Gemma's head
 
 
+def _table_empty(shape: tuple[int, int], dtype: torch.dtype, device) -> Tensor:
+    """An empty weight table: on the CPU with the compiled kernels, one that asks for transparent
+    huge pages (cpu_kernels.cpp, `table_empty`: a step streams every weight, and 4 KiB pages slowed
+    that stream); elsewhere torch.empty."""
+    kernels = cpu_kernels.load() if torch.device(device).type == "cpu" else None
+    if kernels is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return kernels.table_empty(list(shape), dtype)
+
+
 def quantize_rows(weight, scratch: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Symmetric per-row int8: weight ~= q * scale[:, None]. Returns (q int8 [N, K], scale float32 [N]).
 
@@ -81,7 +96,7 @@ def quantize_rows(weight, scratch: Tensor | None = None) -> tuple[Tensor, Tensor
     them equals quantising the stacked matrix (`Int8Linear.concat`).
     """
     n, k = weight.shape
-    q = torch.empty((n, k), dtype=torch.int8, device=weight.device)
+    q = _table_empty((n, k), torch.int8, weight.device)
     scale = torch.empty(n, dtype=torch.float32, device=weight.device)
     rows = max(1, min(n, _BLOCK_ELEMENTS // k))
     if scratch is None or scratch.numel() < rows * k or scratch.device != weight.device:
