@@ -33,14 +33,15 @@ from .errors import InvalidRequestError
 DRAFT_LENGTHS = ("fixed", "adaptive", "cost")
 # The cost-aware draft length's step-cost model, 1 + overhead + cost * k for a verify pass over k
 # drafts, in plain steps (see `CostAwareDraftLength`), fitted to timings of a pass over T tokens
-# against T = 1 (docs/archive/BENCHMARKS-history.md). float32 has an overhead: its matrix products
+# against T = 1 (docs/archive/BENCHMARKS-history.md; int4: BENCHMARKS.md, "The cost of scoring T
+# tokens in one pass", refitted once its weights moved to huge pages). float32 has an overhead: its matrix products
 # leave their one-row fast path at T = 2. int8 with the compiled kernels has none and grows slowly
 # in T. int4 has a fit of its own (its one-token pass reads less, and its kernels differ). A GPU
 # scores a few tokens for about the price of one: the CUDA row is an estimate, not a fit.
 DEFAULT_VERIFY_COSTS = {  # (overhead, cost per draft token)
     "cpu": (0.5, 0.14),
     "cpu-int8": (0.0, 0.16),
-    "cpu-int4": (0.0, 0.10),
+    "cpu-int4": (0.0, 0.13),
     "cuda": (0.0, 0.03),
 }
 # The output head's share of that per-token cost, which greedy screening pays only for rows up to
