@@ -17,6 +17,16 @@ def tiny_models(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """The tiny random llama (seed 0, fp32) of the draft-model tests, as a target and a draft base."""
+    from specdec.models import loader
+
+    folder, _ = make_tiny_hf(tmp_path_factory.mktemp("v"), "llama", seed=0)
+    model, _ = loader.load(folder, torch.float32, "cpu")
+    return model
+
+
 @pytest.fixture(scope="session")
 def default_engine_fp32():
     from specdec import Engine

@@ -10,22 +10,14 @@ from specdec import Engine, SamplingParams
 from specdec.drafters import DraftModelDrafter
 from specdec.drafters.draft_model import frequent_ids
 from specdec.errors import InvalidRequestError
-from specdec.models import loader
 from specdec.models.quant import cpu_int8_available, quantize_model
 
 from test_draft_model import SMALL_V, noisy_copy, p_value, small_model
 
-from helpers import TINY_VOCAB as V, make_tiny_hf, random_prompts as prompts
+from helpers import TINY_VOCAB as V, random_prompts as prompts
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    folder, _ = make_tiny_hf(tmp_path_factory.mktemp("v"), "llama", seed=0)
-    model, _ = loader.load(folder, torch.float32, "cpu")
-    return model
 
 
 def test_frequent_ids_keep_the_special_ones():

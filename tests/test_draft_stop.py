@@ -14,17 +14,10 @@ from specdec.policy import AskGate, ChainStop, DraftCost
 
 from test_draft_model import N_NEW, PROMPT, SAMPLES, SMALL_V, chi_square_p, noisy_copy, small_model
 
-from helpers import TINY_VOCAB as V, make_tiny_hf, random_prompts as prompts
+from helpers import TINY_VOCAB as V, random_prompts as prompts
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    folder, _ = make_tiny_hf(tmp_path_factory.mktemp("v"), "llama", seed=0)
-    model, _ = loader.load(folder, torch.float32, "cpu")
-    return model
 
 
 @pytest.fixture(scope="module")
