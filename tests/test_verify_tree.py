@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from helpers import pooled_chisquare_p
 
 from specdec.sampling import SamplingParams, make_generator, process_logits
 from specdec.verify import TokenTree, TreeVerdict, verify_greedy, verify_tree_greedy, verify_tree_sampling
@@ -104,25 +104,16 @@ def p_value(params, mode, rule, seed):
         key = tree_sample(p_table, q_table, mode, rule, generator, rng)
         counts[key] = counts.get(key, 0) + 1
     p = process_logits(TARGET, params)
-    observed, expected, rest_obs, rest_exp = [], [], 0, 0.0
-    for cell in itertools.product(range(V), repeat=N):
+    cells, probs = list(itertools.product(range(V), repeat=N)), []
+    for cell in cells:
         prob, last = 1.0, 0
         for t in cell:
             prob *= float(p[last, t])
             last = t
         if prob == 0:
             assert counts.get(cell, 0) == 0 or rule is no_residual_rule
-        if prob * SAMPLES >= 5:
-            observed.append(counts.get(cell, 0))
-            expected.append(prob * SAMPLES)
-        else:
-            rest_obs += counts.get(cell, 0)
-            rest_exp += prob * SAMPLES
-    if rest_exp > 0:
-        observed.append(rest_obs)
-        expected.append(rest_exp)
-    scale = sum(observed) / sum(expected)
-    return chisquare(observed, [e * scale for e in expected]).pvalue
+        probs.append(prob)
+    return pooled_chisquare_p(counts, cells, probs, SAMPLES)
 
 
 @pytest.mark.parametrize("mode,params", [
