@@ -606,19 +606,9 @@ class BatchScheduler:
         they are such hits, up to `budget` of them (None: no limit); they join the running rows."""
         r = len(self._running)
         batch = []
-        while True:
-            seq = self._ready.popleft()
-            self._admit(seq, r + len(batch), found)
+        for seq, seq_found in self._cached_hits(found, budget):
+            self._admit(seq, r + len(batch), seq_found)
             batch.append(seq)
-            if not self._ready or (budget is not None and len(batch) >= budget):
-                break
-            # The next prompt's lookup is kept for its own prefill when it is not such a hit (a
-            # lookup counts in the store's statistics and moves its entry to the front).
-            nxt = self._ready[0]
-            nxt.looked_up = (found := self._lookup(nxt),)
-            if not self._last_only(nxt, found):
-                break
-            nxt.looked_up = None
         try:
             emitted = self.engine.prefill_last([seq.row for seq in batch], self.cache.rows(r + len(batch), r))
         except Exception as exc:  # fail these rows; run_once fails what else is in flight
@@ -638,11 +628,22 @@ class BatchScheduler:
         joins them at once; the next step scores its last token next to their blocks and emits its
         first token (`Engine.step`), so it costs the step one more row rather than a forward of
         its own. Takes the ready prompts in order while they are such hits."""
+        for seq, seq_found in self._cached_hits(found, None):
+            self._admit(seq, len(self._running), seq_found)
+            self._running.append(seq)
+
+    def _cached_hits(self, found, budget: int | None):
+        """Pop the ready prompts in order while each is a hit of every token but its last (the
+        first's lookup: `found`), up to `budget` (None: no limit): yields (prompt, its lookup).
+        The caller admits each before the next is looked up. A next prompt that is not such a hit
+        stays ready and keeps its lookup for its own prefill (a lookup counts in the store's
+        statistics and moves its entry to the front)."""
+        taken = 0
         while True:
             seq = self._ready.popleft()
-            self._admit(seq, len(self._running), found)
-            self._running.append(seq)
-            if not self._ready:
+            yield seq, found
+            taken += 1
+            if not self._ready or (budget is not None and taken >= budget):
                 return
             nxt = self._ready[0]
             nxt.looked_up = (found := self._lookup(nxt),)
