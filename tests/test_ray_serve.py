@@ -17,7 +17,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from specdec.server.app import ServerSettings
 from test_server import SETTINGS, free_port, greedy
 
-from helpers import make_char_tokenizer, make_tiny_hf
 
 # Loopback only: Ray turns 127.0.0.1 into the machine's address unless told (before it is imported)
 # that this is no cluster.
@@ -26,13 +25,6 @@ ray = pytest.importorskip("ray", reason="Ray Serve is the optional extra: pip in
 serve = pytest.importorskip("ray.serve", reason="Ray Serve is the optional extra: pip install 'specdec[ray]'")
 
 HOST = "127.0.0.1"
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder, _ = make_tiny_hf(tmp_path_factory.mktemp("ray"), "gemma3")
-    make_char_tokenizer(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
