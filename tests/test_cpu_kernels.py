@@ -246,6 +246,58 @@ def test_attention_matches_sdpa_and_each_row_stands_alone(kernels, heads, kv_hea
             assert torch.equal(alone[0, 0], out[b, i])
 
 
+def _attention_case(g, heads, kv_heads, d, t, dtype):
+    """Two batch rows over a 300-slot span of a 320-slot cache in `dtype`, causal within the block,
+    the second row shorter and windowed: q, keys, values, visible, scale."""
+    cap, span = 320, 300
+    keys = torch.randn(2, kv_heads, cap, d, generator=g).to(dtype)
+    values = torch.randn(2, kv_heads, cap, d, generator=g).to(dtype)
+    q = torch.randn(2, heads, t, d, generator=g)
+    start = torch.tensor([span - t, span - t - 40])
+    rel = torch.arange(span)[None, None, :] - start[:, None, None]
+    visible = (rel < 0) | ((rel < t) & (rel <= torch.arange(t)[None, :, None]))
+    visible[1] &= (start[1] + torch.arange(t))[:, None] - torch.arange(span)[None, :] < 200
+    return q, keys, values, visible[:, None], d**-0.5
+
+
+@pytest.mark.parametrize("heads, kv_heads, d, t", [(4, 1, 256, 1), (4, 1, 256, 9), (4, 2, 40, 5), (3, 1, 36, 4)])
+def test_attention_over_a_float16_cache_is_the_float32_attention_of_its_values(kernels, heads, kv_heads, d, t):
+    # A float16 cache is read as the float32 of each element (exact), so the result is, bit for bit,
+    # the attention over a float32 cache holding the same values; and each query row still stands
+    # alone. 40 and 36 inputs leave a tail of d % 16 and d % 8 that the vector loads do not cover.
+    g = torch.Generator().manual_seed(3 * t + d)
+    q, keys, values, visible, scale = _attention_case(g, heads, kv_heads, d, t, torch.float16)
+    out = kernels.attention(q, keys, values, visible, scale)
+    assert torch.equal(out, kernels.attention(q, keys.float(), values.float(), visible, scale))
+    for b in range(2):
+        for i in range(t):
+            alone = kernels.attention(q[b : b + 1, :, i : i + 1], keys[b : b + 1], values[b : b + 1],
+                                      visible[b : b + 1, :, i : i + 1], scale)
+            assert torch.equal(alone[0, 0], out[b, i])
+    # Keys and values of different types are refused, not misread.
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        kernels.attention(q, keys, values.float(), visible, scale)
+
+
+def test_rope_write_into_a_float16_cache_stores_the_nearest_float16(kernels):
+    # The rotated keys and the values go into a float16 cache as the nearest float16 of what a
+    # float32 cache receives (torch's own rounding); the queries are the same.
+    g = torch.Generator().manual_seed(11)
+    b, t, heads, kv, d, cap = 2, 3, 4, 2, 40, 16
+    qk = torch.randn(b, t, heads + kv, d, generator=g) * 30
+    v = torch.randn(b, t, kv, d, generator=g) * 30
+    angles = torch.randn(b, 1, t, d // 2, generator=g)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    slots = torch.tensor([[4, 5, 6], [0, 9, 2]])
+    k32, v32 = torch.zeros(b, kv, cap, d), torch.zeros(b, kv, cap, d)
+    k16, v16 = torch.zeros(b, kv, cap, d, dtype=torch.float16), torch.zeros(b, kv, cap, d, dtype=torch.float16)
+    q32 = kernels.rope_write(qk, v, cos, sin, k32, v32, slots)
+    q16 = kernels.rope_write(qk, v, cos, sin, k16, v16, slots)
+    assert torch.equal(q16, q32)
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half())
+    assert k16.abs().sum() > 0 and v16[1, :, 9].abs().sum() > 0  # the slots were written
+
+
 def test_model_uses_kernels_under_inference_only_and_matches(kernels, tmp_path, monkeypatch):
     folder, _ = make_tiny_hf(tmp_path, "gemma3")
     model, _ = loader.load(folder, torch.float32, "cpu")
@@ -444,3 +496,8 @@ def test_an_avx2_build_computes_the_same_bits_as_this_build(kernels, tmp_path):
             return (build.int8_pack(table) if build.int8_packed() else table), F.pad(s8, (0, n_pad - n))
 
         assert torch.equal(avx2.int8_linear(x, *stored(avx2), bias, n), kernels.int8_linear(x, *stored(kernels), bias, n))
+    # The row attention over float32 and float16 caches (F16C conversions on both builds).
+    for dtype in (torch.float32, torch.float16):
+        for heads, kv_heads, d, t in [(4, 1, 256, 1), (4, 1, 256, 9), (3, 1, 36, 4)]:
+            case = _attention_case(g, heads, kv_heads, d, t, dtype)
+            assert torch.equal(avx2.attention(*case), kernels.attention(*case))

@@ -1425,18 +1425,39 @@ at::Tensor gated_activation(at::Tensor gate_up, bool gelu_tanh) {
   return out;
 }
 
+// -- cache element types ------------------------------------------------------------------------
+//
+// The key/value cache holds float32 or float16 elements (`KVCache`'s dtype). A float16 element is
+// read as the float32 of the same value (the conversion is exact), so the attention over a float16
+// cache computes, bit for bit, what it computes over a float32 cache holding those values; a
+// float32 result is stored as the nearest float16 (ties to even, as F16C and c10::Half round).
+inline float cache_load(const float* x) { return *x; }
+inline float cache_load(const at::Half* x) { return static_cast<float>(*x); }
+inline void cache_store(float v, float* x) { *x = v; }
+inline void cache_store(float v, at::Half* x) { *x = at::Half(v); }
+#if defined(__AVX2__)
+inline __m256 cache_load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 cache_load8(const at::Half* x) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+#else
+  alignas(32) float f[8];
+  for (int l = 0; l < 8; ++l) f[l] = static_cast<float>(x[l]);
+  return _mm256_load_ps(f);
+#endif
+}
+#endif
+
 // Rotary embedding of the new queries and keys, and the keys and values written into the cache.
 // qk: [b, T, H + KV, d] (queries then keys, per token); v: [b, T, KV, d]; cos, sin: [b, 1, T, d]
-// (`rope_tables`); cache_k, cache_v: [b, KV, capacity, d] (any strides, last dimension contiguous);
+// (`rope_tables`); cache_k, cache_v: [b, KV, capacity, d] float32 or float16 (any strides, last
+// dimension contiguous);
 // slots: [b, T] int64. The rotation is x * cos + rotate_half(x) * sin with rotate_half(x) =
 // (-x2, x1), the same products and sum as `transformer.rotate`. Returns the rotated queries
 // [b, H, T, d]; the rotated keys and the values go to their slots.
-at::Tensor rope_write(at::Tensor qk, at::Tensor v, at::Tensor cos, at::Tensor sin,
-                         at::Tensor cache_k, at::Tensor cache_v, at::Tensor slots) {
-  TORCH_CHECK(qk.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-                  cache_k.scalar_type() == at::kFloat && cache_v.scalar_type() == at::kFloat,
-              "rope_write: float32 only");
-  TORCH_CHECK(cache_k.stride(3) == 1 && cache_v.stride(3) == 1, "rope_write: cache rows must be contiguous");
+template <typename T>
+at::Tensor rope_write_into(at::Tensor qk, at::Tensor v, at::Tensor cos, at::Tensor sin,
+                           const at::Tensor& cache_k, const at::Tensor& cache_v, at::Tensor slots) {
   qk = qk.contiguous();
   v = v.contiguous();
   cos = cos.contiguous();
@@ -1451,8 +1472,8 @@ at::Tensor rope_write(at::Tensor qk, at::Tensor v, at::Tensor cos, at::Tensor si
   const float* sn = sin.data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   float* qs = q.data_ptr<float>();
-  float* ks = cache_k.data_ptr<float>();
-  float* cvs = cache_v.data_ptr<float>();
+  T* ks = cache_k.data_ptr<T>();
+  T* cvs = cache_v.data_ptr<T>();
   // The slots first: a check must not throw inside a parallel region.
   for (int64_t r = 0; r < b * t; ++r) TORCH_CHECK(slot[r] >= 0 && slot[r] < cache_k.size(2), "rope_write: slot out of range");
   at::parallel_for(0, b * t, kParallelRows, [&](int64_t r0, int64_t r1) {
@@ -1461,23 +1482,42 @@ at::Tensor rope_write(at::Tensor qk, at::Tensor v, at::Tensor cos, at::Tensor si
       const float* c = cs + r * d;
       const float* s = sn + r * d;
       const int64_t at = slot[r];
-      for (int64_t h = 0; h < all_heads; ++h) {
+      for (int64_t h = 0; h < heads; ++h) {
         const float* x = xs + (r * all_heads + h) * d;
-        float* o = h < heads ? qs + ((bi * heads + h) * t + ti) * d
-                             : ks + bi * cache_k.stride(0) + (h - heads) * cache_k.stride(1) + at * cache_k.stride(2);
+        float* o = qs + ((bi * heads + h) * t + ti) * d;
         for (int64_t i = 0; i < half; ++i) {
           o[i] = x[i] * c[i] + (-x[i + half]) * s[i];
           o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
         }
       }
+      // Keys: the same rotation in float32, then stored in the cache's type.
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const float* x = xs + (r * all_heads + heads + h) * d;
+        T* o = ks + bi * cache_k.stride(0) + h * cache_k.stride(1) + at * cache_k.stride(2);
+        for (int64_t i = 0; i < half; ++i) {
+          cache_store(x[i] * c[i] + (-x[i + half]) * s[i], o + i);
+          cache_store(x[i + half] * c[i + half] + x[i] * s[i + half], o + i + half);
+        }
+      }
       for (int64_t h = 0; h < kv_heads; ++h) {
         const float* x = vs + (r * kv_heads + h) * d;
-        float* o = cvs + bi * cache_v.stride(0) + h * cache_v.stride(1) + at * cache_v.stride(2);
-        std::copy(x, x + d, o);
+        T* o = cvs + bi * cache_v.stride(0) + h * cache_v.stride(1) + at * cache_v.stride(2);
+        for (int64_t i = 0; i < d; ++i) cache_store(x[i], o + i);
       }
     }
   });
   return q;
+}
+
+at::Tensor rope_write(at::Tensor qk, at::Tensor v, at::Tensor cos, at::Tensor sin,
+                      at::Tensor cache_k, at::Tensor cache_v, at::Tensor slots) {
+  TORCH_CHECK(qk.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "rope_write: float32 inputs only");
+  TORCH_CHECK(cache_k.scalar_type() == cache_v.scalar_type() &&
+                  (cache_k.scalar_type() == at::kFloat || cache_k.scalar_type() == at::kHalf),
+              "rope_write: the cache must be float32 or float16, keys and values alike");
+  TORCH_CHECK(cache_k.stride(3) == 1 && cache_v.stride(3) == 1, "rope_write: cache rows must be contiguous");
+  if (cache_k.scalar_type() == at::kHalf) return rope_write_into<at::Half>(qk, v, cos, sin, cache_k, cache_v, slots);
+  return rope_write_into<float>(qk, v, cos, sin, cache_k, cache_v, slots);
 }
 
 // -- greedy choice ------------------------------------------------------------------------------
@@ -1572,20 +1612,21 @@ constexpr int64_t kRowsPerItem = 4;
 // cache (one layer's keys are evicted by the weights that stream between two of its passes) at
 // the memory's speed. Two key rows a call, read interleaved, ran faster from the cache and slower
 // from memory (docs/archive/BENCHMARKS-history.md).
-inline void scores_4x1(const float* const* q, const float* k, int64_t d, float* out) {
+template <typename KT>
+inline void scores_4x1(const float* const* q, const KT* k, int64_t d, float* out) {
   const int64_t d8 = d - d % 8, d16 = d - d % 16;
 #if defined(__AVX2__)
   __m256 even[4], odd[4];
   for (int h = 0; h < 4; ++h) even[h] = odd[h] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d16; i += 16) {
-    const __m256 x0 = _mm256_loadu_ps(k + i), x1 = _mm256_loadu_ps(k + i + 8);
+    const __m256 x0 = cache_load8(k + i), x1 = cache_load8(k + i + 8);
     for (int h = 0; h < 4; ++h) {
       even[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + i), x0, even[h]);
       odd[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + i + 8), x1, odd[h]);
     }
   }
   if (d8 > d16) {
-    const __m256 x0 = _mm256_loadu_ps(k + d16);
+    const __m256 x0 = cache_load8(k + d16);
     for (int h = 0; h < 4; ++h) even[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + d16), x0, even[h]);
   }
   __m256 c[4];
@@ -1600,7 +1641,7 @@ inline void scores_4x1(const float* const* q, const float* k, int64_t d, float* 
     for (int64_t i = 0; i < d8; i += 8)
       for (int l = 0; l < 8; ++l) {
         float& acc = i % 16 == 0 ? even[l] : odd[l];
-        acc = std::fma(q[h][i + l], k[i + l], acc);
+        acc = std::fma(q[h][i + l], cache_load(k + i + l), acc);
       }
     float c[8];
     for (int l = 0; l < 8; ++l) c[l] = even[l] + odd[l];
@@ -1608,7 +1649,7 @@ inline void scores_4x1(const float* const* q, const float* k, int64_t d, float* 
   }
 #endif
   for (int h = 0; h < 4; ++h)
-    for (int64_t i = d8; i < d; ++i) out[h] += q[h][i] * k[i];
+    for (int64_t i = d8; i < d; ++i) out[h] += q[h][i] * cache_load(k + i);
 }
 
 // exp(x[j] - m) for j < n into out (n rounded up to 8 may be written), by `exp_lanes` /
@@ -1632,14 +1673,25 @@ inline void axpy(float p, const float* v, float* acc, int64_t d) {
   for (; i < d; ++i) acc[i] = std::fma(p, v[i], acc[i]);
 }
 
+// axpy over a cache row of either element type.
+template <typename VT>
+inline void axpy_row(float p, const VT* v, float* acc, int64_t d) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; i + 8 <= d; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, cache_load8(v + i), _mm256_loadu_ps(acc + i)));
+#endif
+  for (; i < d; ++i) acc[i] = std::fma(p, cache_load(v + i), acc[i]);
+}
+
 // For H heads that read the same value rows (rows `stride` apart): acc[h][0..d) = sum over the n
 // slots, in order, of p[h][j] * v_j, each element by fused multiply-adds from zero: what n calls of
 // `axpy` give, with the sums kept in registers 16 elements of H heads at a time. So each value row
 // is read once for the H heads, not once per head: a chunk's values (128 KB for Gemma 3) do not fit
 // in the first-level cache, and reading them once per head was the larger part of a verify row's
 // attention. The block width changes no element's sequence of operations, so no bit.
-template <int H>
-inline void weighted_sum_heads(const float* const* p, const int64_t* slots, int64_t n, const float* v, int64_t stride,
+template <int H, typename VT>
+inline void weighted_sum_heads(const float* const* p, const int64_t* slots, int64_t n, const VT* v, int64_t stride,
                                float* const* acc, int64_t d) {
   int64_t i = 0;
 #if defined(__AVX2__)
@@ -1647,8 +1699,8 @@ inline void weighted_sum_heads(const float* const* p, const int64_t* slots, int6
     __m256 sum[H][2];
     for (int h = 0; h < H; ++h) sum[h][0] = sum[h][1] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
-      const float* row = v + slots[j] * stride + i;
-      const __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
+      const VT* row = v + slots[j] * stride + i;
+      const __m256 v0 = cache_load8(row), v1 = cache_load8(row + 8);
       for (int h = 0; h < H; ++h) {
         const __m256 pv = _mm256_broadcast_ss(p[h] + j);
         sum[h][0] = _mm256_fmadd_ps(pv, v0, sum[h][0]);
@@ -1664,19 +1716,17 @@ inline void weighted_sum_heads(const float* const* p, const int64_t* slots, int6
   if (i < d)
     for (int h = 0; h < H; ++h) {
       std::fill(acc[h] + i, acc[h] + d, 0.0f);
-      for (int64_t j = 0; j < n; ++j) axpy(p[h][j], v + slots[j] * stride + i, acc[h] + i, d - i);
+      for (int64_t j = 0; j < n; ++j) axpy_row(p[h][j], v + slots[j] * stride + i, acc[h] + i, d - i);
     }
 }
 
-// q: [b, H, T, d] float32; cache_k, cache_v: [b, KVH, capacity, d] (rows contiguous); visible:
+// q: [b, H, T, d] float32; cache_k, cache_v: [b, KVH, capacity, d] float32 or float16 (rows
+// contiguous, both of one type); visible:
 // [b, 1, T, S] bool over the first S slots; scale: the score factor. Query head h reads kv head
 // h / (H / KVH). Returns [b, T, H * d], the layout the output projection reads.
-at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::Tensor visible,
-                        double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && cache_k.scalar_type() == at::kFloat &&
-                  cache_v.scalar_type() == at::kFloat, "attention: float32 only");
-  TORCH_CHECK(visible.scalar_type() == at::kBool && visible.dim() == 4, "attention: visible must be [b, 1, T, S] bool");
-  TORCH_CHECK(cache_k.stride(3) == 1 && cache_v.stride(3) == 1, "attention: cache rows must be contiguous");
+template <typename T>
+at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Tensor& cache_v, at::Tensor visible,
+                          double scale) {
   q = q.contiguous();
   visible = visible.contiguous();
   const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), d = q.size(3);
@@ -1702,12 +1752,18 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
   const int64_t row_groups = (t + kRowsPerItem - 1) / kRowsPerItem;
   auto out = at::empty({b, t, heads * d}, q.options());
   // Per (query row, head, chunk): max, sum of exps, and the exp-weighted values. Every entry is
-  // written by its work item, so the buffers need no zeroing.
+  // written by its work item, so the buffers need no zeroing. They are the calling thread's, kept
+  // from call to call: a 16-row step's are ~0.5 MB, which a fresh allocation took from the system
+  // (and faulted in page by page) at every layer.
   const int64_t parts = b * t * heads * chunks;
-  std::unique_ptr<float[]> part_m(new float[parts]), part_l(new float[parts]), part_acc(new float[parts * d]);
+  static thread_local std::vector<float> part_buffer;
+  if (part_buffer.size() < static_cast<size_t>(parts * (d + 2))) part_buffer.resize(parts * (d + 2));
+  float* const part_m = part_buffer.data();
+  float* const part_l = part_m + parts;
+  float* const part_acc = part_l + parts;
   const float* qs = q.data_ptr<float>();
-  const float* ks = cache_k.data_ptr<float>();
-  const float* vs = cache_v.data_ptr<float>();
+  const T* ks = cache_k.data_ptr<T>();
+  const T* vs = cache_v.data_ptr<T>();
   const float sc = static_cast<float>(scale);
   const int64_t k_stride = cache_k.stride(2), v_stride = cache_v.stride(2);
   // Work items: (batch row, kv head, chunk, row group), each for the heads that read that kv head.
@@ -1715,16 +1771,20 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
   // from memory once and from the core's cache for the other rows of a verify block.
   at::parallel_for(0, b * kv_heads * chunks * row_groups, 1, [&](int64_t i0, int64_t i1) {
     const int64_t most = kRowsPerItem * group;  // query vectors an item scores
-    std::vector<float> scores(most * kChunk), probs(most * kChunk);
-    std::vector<int64_t> seen(kChunk);
-    std::vector<const float*> qv(most + 3);
+    static thread_local std::vector<float> scores, probs;
+    static thread_local std::vector<int64_t> seen;
+    static thread_local std::vector<const float*> qv;
+    scores.resize(std::max<size_t>(scores.size(), most * kChunk));
+    probs.resize(std::max<size_t>(probs.size(), most * kChunk));
+    seen.resize(kChunk);
+    qv.resize(std::max<size_t>(qv.size(), most + 3));
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t rg = item % row_groups, c = (item / row_groups) % chunks,
                     kv = (item / (row_groups * chunks)) % kv_heads, bi = item / (row_groups * chunks * kv_heads);
       const int64_t r0 = rg * t / row_groups, r1 = (rg + 1) * t / row_groups;
       const int64_t s0 = (first + c) * kChunk, s1 = std::min(span, s0 + kChunk);
-      const float* kbase = ks + bi * cache_k.stride(0) + kv * cache_k.stride(1);
-      const float* vbase = vs + bi * cache_v.stride(0) + kv * cache_v.stride(1);
+      const T* kbase = ks + bi * cache_k.stride(0) + kv * cache_k.stride(1);
+      const T* vbase = vs + bi * cache_v.stride(0) + kv * cache_v.stride(1);
       const bool* block_vis = vis + bi * t * span;
       // The slots any of the rows sees, in order.
       int64_t n = 0;
@@ -1745,12 +1805,12 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
       // Scores, one slot at a time for up to four queries.
       float tile[4];
       for (int64_t j = 0; j < n; ++j) {
-        const float* krow = kbase + seen[j] * k_stride;
+        const T* krow = kbase + seen[j] * k_stride;
 #if defined(__AVX2__)
         // Ask for the slot's value row now: the weighted sums below read the rows 16 elements at a
         // time, a pattern the hardware prefetcher does not follow from memory.
         const char* vrow = reinterpret_cast<const char*>(vbase + seen[j] * v_stride);
-        for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(float)); byte += 64) _mm_prefetch(vrow + byte, _MM_HINT_T1);
+        for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(T)); byte += 64) _mm_prefetch(vrow + byte, _MM_HINT_T1);
 #endif
         for (int64_t i = 0; i < nq; i += 4) {
           scores_4x1(qv.data() + i, krow, d, tile);
@@ -1786,7 +1846,7 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
       auto queries_from = [&](int64_t i0q, int count) {
         for (int h = 0; h < count; ++h) {
           p4[h] = probs.data() + (i0q + h) * kChunk;
-          a4[h] = part_acc.get() + part_of(i0q + h) * d;
+          a4[h] = part_acc + part_of(i0q + h) * d;
         }
       };
       int64_t i = 0;
@@ -1819,13 +1879,24 @@ at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::T
         if (part_m[r * chunks + c] == -INFINITY) continue;
         const float w = std::exp(part_m[r * chunks + c] - top);
         total += part_l[r * chunks + c] * w;
-        axpy(w, part_acc.get() + (r * chunks + c) * d, o, d);
+        axpy(w, part_acc + (r * chunks + c) * d, o, d);
       }
       const float inv = 1.0f / total;
       for (int64_t i = 0; i < d; ++i) o[i] *= inv;
     }
   });
   return out;
+}
+
+at::Tensor attention(at::Tensor q, at::Tensor cache_k, at::Tensor cache_v, at::Tensor visible, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "attention: float32 queries only");
+  TORCH_CHECK(cache_k.scalar_type() == cache_v.scalar_type() &&
+                  (cache_k.scalar_type() == at::kFloat || cache_k.scalar_type() == at::kHalf),
+              "attention: the cache must be float32 or float16, keys and values alike");
+  TORCH_CHECK(visible.scalar_type() == at::kBool && visible.dim() == 4, "attention: visible must be [b, 1, T, S] bool");
+  TORCH_CHECK(cache_k.stride(3) == 1 && cache_v.stride(3) == 1, "attention: cache rows must be contiguous");
+  if (cache_k.scalar_type() == at::kHalf) return attention_over<at::Half>(q, cache_k, cache_v, visible, scale);
+  return attention_over<float>(q, cache_k, cache_v, visible, scale);
 }
 
 // -- one decoder layer of a decode or verify block -----------------------------------------------
