@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                           "weights come quantised already (the default model, a named model, a .gguf file): "
                           "int4 where most layer weights are 4-bit (Q4_K: int4 keeps their grid, as faithful "
                           "to llama.cpp as int8 and faster), else int8; none for float weights")
+    gen.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "float16"],
+                     help="the target's KV cache elements: auto (default) = float16 under a float32 model on the "
+                          "CPU, else the model's dtype; float32 keeps the model's own numbers")
     gen.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                      help="the draft model's quantisation (auto, the default: the target's). A 4-bit draft also "
                           "scores with a 4-bit copy of its head; a draft's numbers only move its acceptance")
@@ -204,7 +207,7 @@ def _generate(args) -> int:
                          draft_p_min=args.draft_p_min, quantize=args.quantize,
                          draft_tree=args.tree, verify_cost=args.verify_cost, verify_overhead=args.verify_overhead,
                          draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab,
-                         tensor_parallel=args.tensor_parallel)
+                         tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype)
     prompt = args.prompt
     if chat:
         if engine.tokenizer is None:

@@ -37,7 +37,7 @@ from .drafters.combined import LEARNED, lookup_first, split_name
 from .drafters.eagle import eagle_head_path, is_eagle_name, make_eagle_drafter
 from .errors import InvalidRequestError, SpecdecError
 from .models import loader
-from .models.kv_cache import KVCache
+from .models.kv_cache import KVCache, resolve_kv_dtype
 from .models.transformer import Transformer
 from .settings import DecodingSettings
 from .sampling import SamplingParams, adjust_logits, greedy_tokens, make_generator, process_logits, sample
@@ -491,19 +491,23 @@ class Engine:
         verify_cost: float | None = None,
         verify_overhead: float | None = None,
         screen_verify: bool = True,
+        kv_dtype: str = "auto",
         settings: DecodingSettings | None = None,
     ):
         # `settings` (from Engine.load, validated there) or the keywords, validated here, once.
         if settings is None:
             settings = DecodingSettings(num_speculative_tokens=num_speculative_tokens, draft_length=draft_length,
                                         draft_tree=draft_tree, verify_cost=verify_cost,
-                                        verify_overhead=verify_overhead)
+                                        verify_overhead=verify_overhead, kv_dtype=kv_dtype)
         tree = settings.draft_tree
         if tree is not None and (drafter is None or not drafter.needs.trees):
             raise _no_trees(drafter.name if drafter is not None else "none")
         self.settings = settings
         self.model = model
         self.tokenizer = tokenizer
+        # The element type of the target caches this engine's callers make (`new_cache`).
+        p = model.embed_tokens.weight
+        self.kv_dtype = resolve_kv_dtype(settings.kv_dtype, p.dtype, p.device)
         self.drafter = drafter
         self.k = settings.num_speculative_tokens
         self.draft_length = settings.draft_length
@@ -535,6 +539,7 @@ class Engine:
         draft_quantize: str | None = None,
         draft_vocab: int | None = None,
         tensor_parallel: int = 1,
+        kv_dtype: str = "auto",
     ) -> "Engine":
         """Load a target (and drafter) ready to generate.
 
@@ -556,6 +561,9 @@ class Engine:
         model, that draft model (`resolve_drafter`) with the pair's reduced vocabulary unless
         `draft_vocab` is given (`pair_draft_vocab`). `draft_quantize` sets the
         draft model's quantisation (default: the target's).
+
+        `kv_dtype` is the target cache's element type: "auto" (float16 under a float32 model on the
+        CPU, else the model's dtype), "float32" or "float16" (`kv_cache.resolve_kv_dtype`).
         """
         device = resolve_device(device)
         quantize = resolve_quantize(quantize, device, target)
@@ -567,7 +575,7 @@ class Engine:
         settings = DecodingSettings(quantize=quantize, device=device, num_speculative_tokens=num_speculative_tokens,
                                     draft_length=draft_length, draft_tree=draft_tree, verify_cost=verify_cost,
                                     verify_overhead=verify_overhead, draft_p_min=draft_p_min,
-                                    draft_quantize=draft_quantize, draft_vocab=draft_vocab)
+                                    draft_quantize=draft_quantize, draft_vocab=draft_vocab, kv_dtype=kv_dtype)
         torch_dtype = resolve_dtype(dtype, device, quantize)
         # A bad drafter name or option fails before the slow target load; a draft model is loaded
         # after the target, whose vocabulary, device and dtype it takes.
@@ -598,6 +606,10 @@ class Engine:
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """A target cache of `batch` rows x `capacity` slots, of this engine's `kv_dtype`."""
+        return self.model.new_cache(batch, capacity, dtype=self.kv_dtype)
+
     # -- one request ------------------------------------------------------------------------------
 
     def generate(
@@ -626,7 +638,7 @@ class Engine:
         row = self.new_row(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                            drafter=self.drafter if speculative else None, record_steps=True, grammar=grammar)
         row.started = start
-        cache = self.model.new_cache(1, len(ids) + max_new_tokens + self.room(row) + 1)
+        cache = self.new_cache(1, len(ids) + max_new_tokens + self.room(row) + 1)
         emit(self.prefill(row, cache).text)
         while not row.finished:
             emit(self.step([row], cache).emitted[0].text)

@@ -343,6 +343,7 @@ class BatchScheduler:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         prefix_cache_tokens: int = 0,
         on_finish: Callable[[Request, Delta], None] | None = None,
+        kv_dtype: str = "auto",
     ):
         drafters = dict(drafters) if drafters is not None else serving_drafters()[0]
         if drafter not in drafters:
@@ -363,7 +364,8 @@ class BatchScheduler:
         self.model = model
         self.tokenizer = tokenizer
         # The decoding core; rows of the server draft a fixed k (capped by the load rules below).
-        self.engine = Engine(model, tokenizer, num_speculative_tokens=num_speculative_tokens, draft_length="fixed")
+        self.engine = Engine(model, tokenizer, num_speculative_tokens=num_speculative_tokens, draft_length="fixed",
+                             kv_dtype=kv_dtype)
         self.drafters = drafters
         self.draft_trees = draft_trees
         self.drafter = drafter
@@ -381,7 +383,7 @@ class BatchScheduler:
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         # Room for the longest request plus the widest verify block written past its end.
         room = max([self.k_max] + [shape.budget for shape in draft_trees.values()])
-        self.cache = model.new_cache(max_batch, self.max_model_len + room + 1)
+        self.cache = self.engine.new_cache(max_batch, self.max_model_len + room + 1)
         for loaded in drafters.values():  # model drafters: one cache for all rows, drafting batched
             if loaded is not None:
                 loaded.reserve(max_batch, self.max_model_len + room + 1)

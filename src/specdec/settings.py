@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from .drafters.base import TreeShape
 from .errors import InvalidRequestError
 
+from .models.kv_cache import KV_DTYPES
 from .models.quant import QUANT_MODES
 from .policy import DRAFT_LENGTHS, default_draft_length
 
@@ -50,9 +51,15 @@ class DecodingSettings:
     draft_quantize: str | None = None
     # FR-Spec: the draft model scores only its N most frequent ids; None / 0 = its whole vocabulary.
     draft_vocab: int | None = None
+    # The target's KV cache elements (`kv_cache.resolve_kv_dtype`): "auto" = float16 under a float32
+    # model on the CPU, else the model's dtype; "float32" or "float16" as named.
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_quantize(self.quantize, self.device)
+        if self.kv_dtype not in KV_DTYPES:
+            raise InvalidRequestError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {self.kv_dtype!r}",
+                                      "kv_dtype")
         if self.draft_quantize not in (None, "auto"):
             check_quantize(self.draft_quantize, self.device, "draft_quantize")
         k = self.num_speculative_tokens

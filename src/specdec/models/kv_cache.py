@@ -31,6 +31,22 @@ from torch import Tensor
 from ..errors import InvalidRequestError
 
 
+# The cache's element type: "auto" is float16 under a float32 model on the CPU (llama.cpp's default
+# KV type too): a 16-row server step reads each row's keys and values once per layer, as many bytes
+# as the weights in float32, and the compiled attention converts float16 as it loads (exactly, so a
+# row's result still depends only on its own slots: batched rows stay equal to a row alone, and a
+# verify pass to its one-token steps). float32 keeps the model's own numbers.
+KV_DTYPES = ("auto", "float32", "float16")
+
+
+def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The cache dtype for `kv_dtype` (one of KV_DTYPES) under a model computing in `model_dtype`."""
+    if kv_dtype == "auto":
+        on_cpu = torch.device(device).type == "cpu"
+        return torch.float16 if on_cpu and model_dtype == torch.float32 else model_dtype
+    return {"float32": torch.float32, "float16": torch.float16}[kv_dtype]
+
+
 @dataclass(frozen=True)
 class KVPrefix:
     """The first `length` slots of one cache row, copied out (`KVCache.export_row`)."""
@@ -82,8 +98,8 @@ class KVCache:
         key, value: [batch, kv_heads, T, head_dim]; slots: [batch, T] slot indices to write.
         """
         index = slots[:, None, :, None].expand_as(key)
-        self.keys[layer].scatter_(2, index, key)
-        self.values[layer].scatter_(2, index, value)
+        self.keys[layer].scatter_(2, index, key.to(self.keys[layer].dtype))
+        self.values[layer].scatter_(2, index, value.to(self.values[layer].dtype))
 
     def truncate(self, length: int | Tensor, row: int | None = None) -> None:
         """Roll back to `length` tokens (for one row, or every row when `row` is None)."""

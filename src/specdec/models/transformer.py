@@ -179,6 +179,10 @@ def compiled_kernels(x: Tensor):
     return cpu_kernels.load()
 
 
+# The cache dtypes the compiled kernels write and read (`rope_write`, `attention`): float16 is
+# read as the float32 of the same value.
+KERNEL_CACHE_DTYPES = (torch.float32, torch.float16)
+
 # Blocks of up to this many new tokens (decode steps, verify passes) take the compiled row-by-row
 # attention; longer ones (prefills) PyTorch's SDPA, which blocks its queries and is faster there.
 ROW_ATTENTION_MAX_T = 32
@@ -261,7 +265,7 @@ class Attention(Layer):
     ) -> Tensor:
         b, t, _ = x.shape
         qk, v = self.project(x)
-        kernels = compiled_kernels(qk) if cache.keys[layer].dtype == torch.float32 else None
+        kernels = compiled_kernels(qk) if cache.keys[layer].dtype in KERNEL_CACHE_DTYPES else None
         if self.qk_norm and kernels is not None:
             qk = kernels.rms_norm(qk, self.qk_scale(), self.q_norm.eps)  # row r uses head r mod (heads + kv)
         elif self.qk_norm:
@@ -284,7 +288,10 @@ class Attention(Layer):
             out = kernels.attention(q, cache.keys[layer], cache.values[layer], visible, self.scale)
             return self.o_proj(out)
         span = visible.shape[-1]
-        out = blocked_attention(q, cache.keys[layer][:, :, :span], cache.values[layer][:, :, :span],
+        # A float16 cache under float32 queries (the CPU default, `kv_cache.resolve_kv_dtype`) is read
+        # as float32: SDPA takes one dtype, and the widening is exact.
+        keys, values = cache.keys[layer][:, :, :span], cache.values[layer][:, :, :span]
+        out = blocked_attention(q, keys.to(q.dtype), values.to(q.dtype),
                                 plan or query_blocks(visible, q.dtype), self.scale, self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
@@ -440,7 +447,7 @@ class Block(Layer):
         (docs/archive/BENCHMARKS-history.md). A change made around the registration (`module.__dict__`, `del`)
         is not seen by that check.
         """
-        if cache_keys.dtype != torch.float32:
+        if cache_keys.dtype not in KERNEL_CACHE_DTYPES:
             return None
         memo = self.__dict__.get("_kernel_memo")
         count = registrations()

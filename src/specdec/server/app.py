@@ -75,6 +75,7 @@ class ServerSettings:
     device: str = "cpu"
     quantize: str = "none"
     tensor_parallel: int = 1  # ranks the target is split over (`models/tensor_parallel.py`)
+    kv_dtype: str = "auto"  # the target cache's elements (`kv_cache.resolve_kv_dtype`)
     # DEPTHxTOPKxBUDGET: the loaded drafters that draft trees (ngram, eagle, ngram+eagle) draft token
     # trees of this shape in every batch (the budget shrinks with the load cap); the others chains.
     draft_tree: str | None = None
@@ -160,7 +161,8 @@ def create_app(settings: ServerSettings,
                 spec_token_budget=settings.spec_token_budget, prefill_chunk=settings.prefill_chunk,
                 prefix_cache_tokens=settings.prefix_cache_tokens,
                 max_speculative_tokens=max(16, settings.num_speculative_tokens),
-                adaptive=settings.speculation_control == "goodput", on_finish=state.metrics.observe)
+                adaptive=settings.speculation_control == "goodput", on_finish=state.metrics.observe,
+                kv_dtype=settings.kv_dtype)
             state.tokenizer = tokenizer
             state.scheduler = scheduler.start()
         except Exception as exc:  # reported by /health and every request
