@@ -195,7 +195,9 @@ def test_logprobs_are_the_targets(client, engine, tiny_folder):
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
     n = len(PROMPT)
     expected = [float(ref[n - 1 + i, ids[n + i]]) for i in range(10)]
-    assert lp.token_logprobs == pytest.approx(expected, abs=1e-4)
+    # The server's cache holds float16 keys and values (the CPU default, `kv_cache.resolve_kv_dtype`),
+    # which moves a log-prob by ~1e-4 from HF's float32 attention.
+    assert lp.token_logprobs == pytest.approx(expected, abs=1e-3)
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert len(top) == 3 and max(top.values()) == pytest.approx(chosen)  # greedy picks the top
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=5,
