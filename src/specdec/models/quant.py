@@ -568,8 +568,13 @@ def gather_small_tables(model: nn.Module) -> int:
     kernels = cpu_kernels.load()
     if kernels is None:
         return 0
+    # A table another module reads too (a tied embedding reads the head's int8 rows) stays where it
+    # is: moving it would leave that module a copy of its own.
+    shared = {t.untyped_storage().data_ptr() for m in model.modules() if not isinstance(m, Int8Linear)
+              for t in [*m.buffers(recurse=False), *vars(m).values()] if isinstance(t, Tensor)}
     small = [m for m in model.modules() if isinstance(m, Int8Linear) and m._q is not None and m._q.device.type == "cpu"
-             and m._q.is_contiguous() and m._q.numel() * m._q.element_size() < _HUGE_TABLE_BYTES]
+             and m._q.is_contiguous() and m._q.numel() * m._q.element_size() < _HUGE_TABLE_BYTES
+             and m._q.untyped_storage().data_ptr() not in shared]
     sizes = [-(-m._q.numel() * m._q.element_size() // _TABLE_ALIGN) * _TABLE_ALIGN for m in small]
     if len(small) < 2:
         return 0
