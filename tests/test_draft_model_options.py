@@ -40,7 +40,7 @@ def test_kept_ids_score_as_in_the_full_head_and_the_rest_never(llama, int8):
     ids = prompts(1, 12)[0]
     for d in (full, reduced):
         d.begin(ids)
-    a, b = full._sync(ids), reduced._sync(ids)
+    a, b = full._target_logits(full._sync(ids)), reduced._target_logits(reduced._sync(ids))
     torch.testing.assert_close(b[kept], a[kept], rtol=1e-5, atol=1e-5)
     rest = torch.ones(V, dtype=torch.bool)
     rest[kept] = False
@@ -118,6 +118,100 @@ def test_measure_cost_times_both_models(llama):
     assert cost == drafter.draft_cost and 0.05 < cost < 20  # the same architecture: about 1
 
 
+class _Recorder:
+    """A chain stop that keeps every token and remembers the confidences it was told."""
+
+    def __init__(self):
+        self.seen = []
+
+    def start(self):
+        pass
+
+    def take(self, p):
+        self.seen.append(p)
+        return True
+
+    def more(self):
+        return True
+
+
+@pytest.mark.parametrize("vocab", [None, 30])
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_k=12, top_p=0.9),
+                                    SamplingParams(temperature=1.3, min_p=0.05)])
+def test_drafting_over_the_scored_ids_matches_the_full_vocabulary(llama, vocab, params):
+    """The draft chooses from its scores over the scored ids only; what it proposes is what the full
+    target-vocabulary logits (-inf for the ids it does not score) give: the same greedy token (ties
+    to the lowest id), the same confidence, and under sampling the same q, widened with zeros."""
+    from specdec.sampling import greedy_tokens, make_generator, process_logits
+
+    drafter = DraftModelDrafter(noisy_copy(llama, 0.3, 2), V, vocab=vocab)
+    width = V if vocab is None else len(drafter.vocab_ids)
+    for seed, ids in enumerate(prompts(4, 9)):
+        drafter.begin(ids, params, make_generator(seed, "cpu"))
+        stop = _Recorder()
+        drafter.stop_by(stop)
+        scores = drafter._sync(ids)
+        assert scores.shape == (width,)  # nothing of the full vocabulary's size
+        full = drafter._target_logits(scores)  # [V]
+        token, q = drafter._choose(scores)
+        if vocab is not None:
+            assert token in drafter.vocab_ids.tolist()
+        if params.greedy:
+            assert token == greedy_tokens(full[None])[0] and q is None
+            assert stop.seen[0] == pytest.approx(float(full.softmax(-1).max()), rel=1e-6)
+        else:
+            expected = process_logits(full, params)
+            assert q.shape == (V,)
+            torch.testing.assert_close(q, expected, rtol=1e-5, atol=1e-7)
+            assert stop.seen[0] == pytest.approx(float(expected.max()), rel=1e-5)
+            assert q[token] > 0
+        drafter.end([])
+    if vocab is not None:  # a tie between kept ids goes to the lowest, as argmax over the full row
+        drafter.begin(prompts(1)[0])
+        tie = torch.full((width,), -5.0)
+        tie[[3, 7]] = 2.0
+        assert drafter._choose(tie)[0] == int(drafter.vocab_ids[3])
+
+
+@pytest.mark.parametrize("int4", [False, True])
+def test_measure_cost_prices_a_draft_position_with_the_drafting_head(llama, int4):
+    """The price is one draft position as a chain pays it: a forward through the head the draft
+    drafts with (its reduced / 4-bit copy), never the model's own full head; and timing it leaves
+    the drafter as it was."""
+    if int4:
+        _kernels_or_skip()
+    draft = noisy_copy(llama, 0.1, 1)
+    if int4:
+        quantize_model(draft, "int4")
+    drafter = DraftModelDrafter(draft, V, vocab=30)
+    calls = {"full head": 0, "drafting head": 0}
+    full_head, sub_head = draft.head, drafter._sub_head
+
+    def counting(name, f):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return f(*args, **kwargs)
+        return call
+
+    draft.head = counting("full head", full_head)
+    drafter._sub_head = counting("drafting head", sub_head)
+    try:
+        cost = drafter.measure_cost(llama, context=8, repeats=3)
+    finally:
+        del draft.head
+        drafter._sub_head = sub_head
+    assert cost == drafter.draft_cost > 0
+    # the prompt's read at the twin's `begin` goes through the drafting head too; then 1 + 3 rounds
+    assert calls == {"full head": 0, "drafting head": 1 + 4}
+    assert drafter.cache_length == 0 and drafter.cached_tokens == []
+    # a draft position timed is a real one: the same token the drafter then proposes
+    ids = prompts(1, 8)[0]
+    twin = drafter._twin_for_timing(ids)
+    assert twin.draft_step_seconds(ids) >= 0 and twin.cached_tokens == ids[:-1]
+    drafter.begin(ids)
+    assert drafter.propose(ids, 1).tokens == [drafter._target_id(int(drafter._sync(ids).argmax()))]
+
+
 def _kernels_or_skip():
     from specdec.models import cpu_kernels
 
@@ -151,7 +245,7 @@ def test_an_int4_draft_scores_with_a_4_bit_head_and_stays_exact(llama, vocab):
     exact = DraftModelDrafter(draft, V, vocab=vocab, int4_head=False)
     for d in (drafter, exact):
         d.begin(ids)
-    a, b = drafter._sync(ids), exact._sync(ids)
+    a, b = drafter._target_logits(drafter._sync(ids)), exact._target_logits(exact._sync(ids))
     torch.testing.assert_close(a[kept], b[kept], rtol=0, atol=0.1 * float(b[kept].abs().max()))
     engine = Engine(llama, None, drafter=drafter, num_speculative_tokens=4, draft_length="fixed")
     plain = Engine(llama, None)

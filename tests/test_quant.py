@@ -117,6 +117,48 @@ def test_fused_projections_compute_the_same(tmp_path):
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_small_tables_share_one_huge_page_table_and_compute_the_same(tmp_path, mode, monkeypatch):
+    from specdec.models import quant
+
+    if cpu_kernels.load() is None or not cpu_int8_available():
+        pytest.skip("needs the compiled CPU kernels")
+    folder, _ = make_tiny_hf(tmp_path, "qwen2")
+    apart, _ = loader.load(folder, torch.float32, "cpu")
+    gathered, _ = loader.load(folder, torch.float32, "cpu")
+    with monkeypatch.context() as m:
+        m.setattr(quant, "gather_small_tables", lambda model: 0)
+        quantize_model(apart, mode)
+    quantize_model(gathered, mode)
+    tables = [mod._q for mod in gathered.modules() if isinstance(mod, Int8Linear)]
+    small = [q for q in tables if q.numel() * q.element_size() < 1 << 20]
+    assert len(small) > 2  # a tiny model's tables are all small
+    # All in one table (`table_empty`'s: on huge pages from 1 MiB on, which test_cpu_kernels checks),
+    # each on cache lines of its own
+    # A tied head's table is the embedding's too: it stays where it is, one copy for both.
+    embedding = gathered.embed_tokens.q.untyped_storage().data_ptr()
+    if gathered.config.tie_embeddings:
+        assert gathered.lm_head._q.untyped_storage().data_ptr() == embedding
+    moved = [q for q in small if q.untyped_storage().data_ptr() != embedding]
+    assert len(moved) == len(tables) - gathered.config.tie_embeddings
+    assert len({q.untyped_storage().data_ptr() for q in moved}) == 1
+    assert all(q.data_ptr() % 64 == 0 and q.is_contiguous() for q in moved)
+    others = [mod._q for mod in apart.modules() if isinstance(mod, Int8Linear)]
+    assert len({q.untyped_storage().data_ptr() for q in others}) == len(others)  # apart: each its own
+    for a, b in zip(others, tables):
+        assert torch.equal(a, b)
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(1))
+    for t in (12, 1):  # a prefill and a decoding step (the compiled decoder layer)
+        x, y = apart.new_cache(1, 16), gathered.new_cache(1, 16)
+        a, _ = apart(ids[:, :t], torch.arange(t)[None], x)
+        b, _ = gathered(ids[:, :t], torch.arange(t)[None], y)
+        assert torch.equal(a, b)
+        if t == 12:
+            a, _ = apart(ids[:, :1], torch.tensor([[12]]), x)
+            b, _ = gathered(ids[:, :1], torch.tensor([[12]]), y)
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("family, mode", [("gemma3", "int8"), ("llama", "int8"), ("gemma3", "int4"), ("llama", "int4")])
 def test_int8_model_close_and_speculative_greedy_identical(tmp_path, family, mode):
     if mode == "int4" and cpu_kernels.load() is None:

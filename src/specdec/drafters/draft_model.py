@@ -53,8 +53,11 @@ Reduced vocabulary (FR-Spec, Zhao et al. 2025). With `vocab=N` the draft scores 
 first N of its vocabulary (a byte-level BPE numbers its tokens in merge order, which follows their
 frequency in the tokenizer's corpus) and its special tokens (EOS, end of turn). Its output head is
 then a copy of those N rows: Qwen2.5-0.5B's full head is 151,936 x 896, a quarter of the bytes a
-draft token reads. The other ids get -inf, so the draft never proposes them; q (under sampling) is
-the distribution over the kept ids that the token was really drawn from. Verification is unchanged
+draft token reads. The other ids have probability 0, so the draft never proposes them; q (under
+sampling) is the distribution over the kept ids that the token was really drawn from. The draft
+chooses from the N scores themselves (argmax, top probability, q) and names a target id only for the
+token it chose, and under sampling widens q to the target's vocabulary (0 elsewhere) for the
+verifier: nothing of the full vocabulary's size is scored or normalised. Verification is unchanged
 (the target scores its full vocabulary), so the output stays exact; only acceptance can drop, where
 the target's token is one the draft cannot name.
 
@@ -64,14 +67,16 @@ it): Qwen2.5-0.5B's 151,936 x 896 head is then 85 MB a token instead of 136. A d
 move its acceptance, never the output, so the head may be coarser than the target's would be.
 
 Price. Each draft token costs a forward of the draft model, which a lookup drafter's does not.
-`measure_cost(target)` times one-token steps of both models and keeps the ratio in `draft_cost`;
+`measure_cost(target)` times a draft position as a chain pays it (a one-token forward through the
+drafting head, the confidence and the choice) against a one-token step of the target, and keeps the
+ratio in `draft_cost`;
 the cost-aware draft length (`policy.CostAwareDraftLength`) starts its online price of a draft
 token (`policy.DraftCost`) from it and charges it per drafted token, so the draft model drafts only
 where its measured acceptance pays for both its own forwards and the wider verify pass.
 
 Vocabularies. The target's vocabulary is the one that counts: draft logits for ids the target does
-not have are dropped, ids the draft does not have get -inf (probability 0), so q always has the
-target's vocabulary size. Models of one family are often padded to a round size, so sizes within
+not have are dropped, ids the draft does not have get probability 0, so q always has the target's
+vocabulary size. Models of one family are often padded to a round size, so sizes within
 `VOCAB_SIZE_TOLERANCE` are accepted; a larger difference, or tokenizers that spell a sample of ids
 differently, is an `InvalidRequestError`.
 """
@@ -108,6 +113,9 @@ _BATCHED_CATCH_UP = 4  # context tokens a row catches up with inside a batched f
 # turn and the start of the user's, which also serve as the attention sink a model expects at the
 # start of its context (StreamingLLM, Xiao et al. 2023).
 PROMPT_SINK = 32
+# The cut-off `measure_cost`'s twin drafts with: above 0, so every position's confidence is read (as
+# under a chain stop), and below any probability, so no token is dropped.
+_KEEP_ANY = math.ulp(0.0)
 
 
 class DraftModelDrafter(DrafterBase):
@@ -144,7 +152,8 @@ class DraftModelDrafter(DrafterBase):
         self.vocab_ids: Tensor | None = None
         self._sub_head = None
         if vocab:
-            self.vocab_ids = frequent_ids(model.config.vocab_size, vocab, special_ids(model, tokenizer))
+            kept = frequent_ids(model.config.vocab_size, vocab, special_ids(model, tokenizer))
+            self.vocab_ids = kept[kept < target_vocab_size]  # an id the target lacks is never drafted
         if int4_head is None:
             int4_head = quantize_of(model) == "int4"
         if vocab or int4_head:
@@ -187,29 +196,56 @@ class DraftModelDrafter(DrafterBase):
         return cls(model, target_vocab_size, draft_p_min, Tokenizer.from_folder(folder), target_tokenizer, vocab)
 
     def measure_cost(self, target: Transformer, context: int = 64, repeats: int = 5) -> float:
-        """Time one-token steps of the draft and of `target` after a `context`-token prompt, in turns
-        (median of `repeats` each), and keep their ratio in `draft_cost`. The process's CPU time,
-        not the wall's: another process taking the core for a moment must not set the price."""
+        """Time one draft token and one one-token step of `target` after a `context`-token prompt,
+        in turns (median of `repeats` each), and keep their ratio in `draft_cost`. The process's
+        CPU time, not the wall's: another process taking the core for a moment must not set the price.
+
+        The draft token is what a chain pays per position (`draft_step_seconds`): the draft
+        model's forward of one token with the head it drafts with (`_sub_head` where it has one),
+        its confidence and its choice; not the model's own full head, which drafting never reads.
+        """
         import statistics
         import time
 
-        ids = [[(101 + 7 * i) % min(target.config.vocab_size, self.model.config.vocab_size) for i in range(context)]]
+        ids = [(101 + 7 * i) % min(target.config.vocab_size, self.model.config.vocab_size) for i in range(context)]
+        cache = target.new_cache(1, context + 2)
+        target(torch.tensor([ids], device=self.device), torch.arange(context, device=self.device)[None], cache,
+               last_n=1, need_hidden=False)
+        step, position = torch.tensor([[ids[-1]]], device=self.device), torch.tensor([[context]], device=self.device)
+        twin = self._twin_for_timing(ids)
         times: dict[int, list[float]] = {0: [], 1: []}
-        caches = []
-        for model in (target, self.model):
-            cache = model.new_cache(1, context + 2)
-            model(torch.tensor(ids, device=self.device), torch.arange(context, device=self.device)[None], cache,
-                  last_n=1, need_hidden=False)
-            caches.append(cache)
-        step, position = torch.tensor([[ids[0][-1]]], device=self.device), torch.tensor([[context]], device=self.device)
         for _ in range(repeats + 1):  # the first round warms up
-            for i, model in enumerate((target, self.model)):
-                start = time.process_time()
-                model(step, position, caches[i], last_n=1, need_hidden=False)
-                times[i].append(time.process_time() - start)
-                caches[i].truncate(context)
+            start = time.process_time()
+            target(step, position, cache, last_n=1, need_hidden=False)
+            times[0].append(time.process_time() - start)
+            cache.truncate(context)
+            times[1].append(twin.draft_step_seconds(ids))
+        twin.end([])
         self.draft_cost = statistics.median(times[1][1:]) / statistics.median(times[0][1:])
         return self.draft_cost
+
+    def _twin_for_timing(self, prompt: list[int]) -> "DraftModelDrafter":
+        """A drafter on these weights, with a cache of its own holding `prompt` but its last token,
+        greedy, reading its confidence at every position (as under a chain stop) and keeping every
+        token: what `draft_step_seconds` times."""
+        twin = self.spawn()
+        twin._pool = None
+        twin.draft_p_min = _KEEP_ANY  # the confidence is read; no token falls below it
+        twin.begin(prompt[:-1])
+        return twin
+
+    def draft_step_seconds(self, context: list[int]) -> float:
+        """CPU seconds of one draft position, as a chain pays it: forward `context`'s last token
+        (the cache holds the rest) through the draft and its drafting head, read the confidence and
+        choose the token; the cache is then rolled back to hold context[:-1] again."""
+        import time
+
+        start = time.process_time()
+        self._choose(self._forward(list(context[-1:]), len(context) - 1))
+        seconds = time.process_time() - start
+        self._cache.truncate(len(context) - 1)
+        del self._tokens[len(context) - 1:]
+        return seconds
 
     # -- protocol -------------------------------------------------------------------------------
 
@@ -275,11 +311,11 @@ class DraftModelDrafter(DrafterBase):
         if self._cache is None:  # propose without begin: start a greedy request
             self.begin(list(context))
         context = self._view(context)
-        logits = self._sync(context)  # [vocab_target] for the token after context
+        scores = self._sync(context)  # [columns] (`_scores`) for the token after context
         # Draft i sits at position len(context) + i; the last one is forwarded next time, if accepted.
         if self._stop is not None:
             self._stop.start()
-        return draft_chain(self._choose, lambda token, i: self._forward([token], len(context) + i), logits, k,
+        return draft_chain(self._choose, lambda token, i: self._forward([token], len(context) + i), scores, k,
                            None if self._stop is None else self._stop.more)
 
     def stop_by(self, stop) -> None:
@@ -292,20 +328,53 @@ class DraftModelDrafter(DrafterBase):
             return list(context)
         return list(context[:PROMPT_SINK]) + list(context[self._cut:])
 
-    def _choose(self, logits: Tensor) -> tuple[int | None, Tensor | None]:
-        """One draft position: (token, q row) from logits [target_vocab]; token None = stop here.
+    def _choose(self, scores: Tensor) -> tuple[int | None, Tensor | None]:
+        """One draft position: (token, q row) from the draft's scores [columns] (`_scores`: its
+        scored ids only, in increasing id order); token None = stop here.
 
-        Greedy: the argmax, q None (one-hot); the cut-off and the chain stop read the raw softmax.
-        Sampling: q is the processed distribution, the token is drawn from it; they read q.
+        Greedy: the argmax, q None (one-hot); the cut-off and the chain stop read the softmax of
+        the scores. Sampling: q is the processed distribution over the scored ids, the token is
+        drawn from it; they read q, handed over widened to the target's vocabulary (0 for ids the
+        draft does not score, which it never draws). Ids outside the scores have logit -inf, so
+        probability 0: reading only the scored columns gives the same argmax (the kept ids are in
+        increasing order, so a tie still goes to the lowest id), the same top probability and the
+        same processed q as over the full vocabulary (every sampling filter keeps or drops the
+        scored ids alike), without a softmax over the full vocabulary.
         """
         if self._sampling.greedy:
-            if (self.draft_p_min > 0 or self._stop is not None) and not self._keeps(float(logits.softmax(-1).max())):
+            if (self.draft_p_min > 0 or self._stop is not None) and not self._keeps(float(scores.softmax(-1).max())):
                 return None, None
-            return greedy_tokens(logits[None])[0], None
-        q = process_logits(logits, self._sampling)  # [target_vocab]
+            return self._target_id(greedy_tokens(scores[None])[0]), None
+        q = process_logits(scores, self._sampling)  # [columns]
         if (self.draft_p_min > 0 or self._stop is not None) and not self._keeps(float(q.max())):
             return None, None
-        return int(sample(q, self._generator)), q
+        return self._target_id(int(sample(q, self._generator))), self._target_q(q)
+
+    def _target_id(self, column: int) -> int:
+        """The target id of a column of the scores."""
+        return column if self.vocab_ids is None else int(self.vocab_ids[column])
+
+    def _target_q(self, q: Tensor) -> Tensor:
+        """q over the scored columns [columns] -> over the target's vocabulary [target_vocab], 0 elsewhere."""
+        if self.vocab_ids is None and q.shape[-1] == self.target_vocab_size:
+            return q
+        full = q.new_zeros(self.target_vocab_size)
+        if self.vocab_ids is None:
+            full[: q.shape[-1]] = q
+        else:
+            full[self.vocab_ids] = q
+        return full
+
+    def _target_logits(self, scores: Tensor) -> Tensor:
+        """The scores [columns] as logits over the target's vocabulary [target_vocab], -inf for ids
+        the draft does not score: what the draft's distribution is over the target's ids (tests
+        and introspection; drafting reads the scores themselves)."""
+        full = scores.new_full((self.target_vocab_size,), -math.inf)
+        if self.vocab_ids is None:
+            full[: scores.shape[-1]] = scores
+        else:
+            full[self.vocab_ids] = scores
+        return full
 
     def _keeps(self, p: float) -> bool:
         """Whether a draft token of confidence p is proposed: the chain stop (told of every position
@@ -343,16 +412,17 @@ class DraftModelDrafter(DrafterBase):
     # -- cache sync -----------------------------------------------------------------------------
 
     def _sync(self, context: Sequence[int]) -> Tensor:
-        """Make the cache hold context[:-1] + the last token's keys; return the next-token logits."""
+        """Make the cache hold context[:-1] + the last token's keys; return the draft's scores for
+        the next token (`_scores`)."""
         keep = min(common_prefix_length(self._tokens, context), len(context) - 1)
         self._cache.truncate(keep)
         del self._tokens[keep:]
         return self._forward(list(context[keep:]), keep)
 
     def _forward(self, new: list[int], start: int) -> Tensor:
-        """Forward `new` at positions start.. (start == cache length); logits after the last one.
+        """Forward `new` at positions start.. (start == cache length); the scores after the last one.
 
-        Returns logits [target_vocab] float32, already mapped to the target's vocabulary.
+        Returns the draft's scores [columns] float32 (`_scores`): what `_choose` reads.
         """
         assert start == len(self._tokens) == self._cache.length()
         self._ensure_room(len(new))
@@ -364,32 +434,22 @@ class DraftModelDrafter(DrafterBase):
         if self._sub_head is None:
             logits, _ = self.model(ids, positions, self._cache, last_n=1, need_hidden=False)
             self._tokens.extend(new)
-            return self._to_target_vocab(logits[0, -1])
+            return logits[0, -1, : self.target_vocab_size]
         _, hidden = self.model(ids, positions, self._cache, last_n=0)  # no full head
         self._tokens.extend(new)
-        return self._to_target_vocab(self._head(hidden[0, -1:])[0])
+        return self._scores(hidden[0, -1:])[0]
 
     @torch.inference_mode()
-    def _head(self, hidden: Tensor) -> Tensor:
-        """hidden [rows, h] -> logits [rows, draft vocab]: the full head, or with a reduced
-        vocabulary the kept rows' scores and -inf elsewhere (those ids are never drafted)."""
+    def _scores(self, hidden: Tensor) -> Tensor:
+        """hidden [rows, h] -> the draft's scores [rows, columns] float32: the logits of the ids it
+        drafts from, in increasing id order, and no others. With a reduced vocabulary those are the
+        kept ids (`vocab_ids`, column j is id vocab_ids[j]), scored by the kept rows only;
+        otherwise the ids both vocabularies have (column j is id j). Nothing of the size of the
+        full vocabulary is made: the other ids have probability 0 and are never drafted."""
         if self._sub_head is None:
-            return self.model.head(hidden)
+            return self.model.head(hidden)[:, : self.target_vocab_size]
         sub = soft_cap(self._sub_head(hidden).float(), self.model.config.final_logit_softcap)  # [rows, m]
-        if self.vocab_ids is None:  # all rows, on 4 bits
-            return sub
-        full = sub.new_full((hidden.shape[0], self.model.config.vocab_size), -math.inf)
-        full[:, self.vocab_ids] = sub
-        return full
-
-    def _to_target_vocab(self, logits: Tensor) -> Tensor:
-        """logits [draft_vocab] -> [target_vocab]: drop ids the target lacks, -inf for ids the draft lacks."""
-        extra = self.target_vocab_size - logits.shape[-1]
-        if extra < 0:
-            return logits[: self.target_vocab_size]
-        if extra > 0:
-            return torch.cat([logits, logits.new_full((extra,), -math.inf)])
-        return logits
+        return sub if self.vocab_ids is not None else sub[:, : self.target_vocab_size]
 
     def _ensure_room(self, new_tokens: int) -> None:
         """Grow the cache (double, copying the filled slots) when `new_tokens` would not fit."""
@@ -451,8 +511,8 @@ def propose_batch(drafters: list[DraftModelDrafter], contexts: list[list[int]], 
     vocab = drafters[0].model.config.vocab_size
 
     def forward(news: dict[int, list[int]]) -> dict[int, Tensor]:
-        """Forward `news[i]` (drafter index -> new ids) at each row's length; logits after each
-        row's last new token, in the target's vocabulary."""
+        """Forward `news[i]` (drafter index -> new ids) at each row's length; the draft's scores
+        (`_scores`) after each row's last new token."""
         lengths = view.lengths.clone()
         width = max(len(t) for t in news.values())
         tokens = torch.zeros(hi - lo, width, dtype=torch.long, device=device)
@@ -466,12 +526,12 @@ def propose_batch(drafters: list[DraftModelDrafter], contexts: list[list[int]], 
         view.lengths.copy_(lengths)  # rows not drafting keep their length; drafting rows move below
         rows = torch.tensor([slots[i] - lo for i in news], device=device)
         last = torch.tensor([len(news[i]) - 1 for i in news], device=device)
-        logits = drafters[0]._head(hidden[rows, last])  # [drafting rows, draft vocab]
+        scores = drafters[0]._scores(hidden[rows, last])  # [drafting rows, columns]
         out = {}
         for j, (i, new) in enumerate(news.items()):
             view.lengths[slots[i] - lo] += len(new)
             drafters[i]._tokens.extend(new)
-            out[i] = drafters[i]._to_target_vocab(logits[j])
+            out[i] = scores[j]
         return out
 
     # Catch up: keep each row's common prefix with its context (never its last token), forward the

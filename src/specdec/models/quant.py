@@ -36,8 +36,9 @@ sums are the same integers, so the outputs are the same bits; `stored_rows` read
 
 Weight tables of 1 MiB and more (int8 rows, packed 4-bit blocks) are allocated on transparent huge
 pages where the system grants them (cpu_kernels.cpp, `table_empty`): a step streams every weight
-once, and on 4 KiB pages that stream crossed a page boundary every 4 KiB. Only where the bytes lie
-changes, not their values.
+once, and on 4 KiB pages that stream crossed a page boundary every 4 KiB. The smaller tables of a
+quantised model lie side by side in one such table (`gather_small_tables`). Only where the bytes
+lie changes, not their values.
 
 4-bit weights (`quantize="int4"`, `Int4Linear`). Decoding a larger model reads ~1.5 GB of int8
 weights a token (Qwen2.5 1.5B), so its speed is the memory's: 4 bits and two half-precision numbers
@@ -544,4 +545,45 @@ def quantize_model(model: nn.Module, mode: str, weights: dict | None = None) -> 
     else:
         model.embed_tokens = Int8Embedding(*quantize_rows(embed, scratch))
     model.fuse_projections()  # 4 int8 calls a layer instead of 7: each also quantises its input
+    gather_small_tables(model)
     return model
+
+
+# Tables from this size on get huge pages of their own (cpu_kernels.cpp, `kHugeTableBytes`).
+_HUGE_TABLE_BYTES = 1 << 20
+_TABLE_ALIGN = 256  # bytes: each table of the shared one starts on a fresh run of cache lines
+
+
+def gather_small_tables(model: nn.Module) -> int:
+    """Move the weight tables (`_q` of the int8 and 4-bit linears) smaller than 1 MiB into one
+    shared table on huge pages; returns how many moved.
+
+    Each table of 1 MiB or more gets huge pages of its own (`_table_empty`); a small one would be
+    rounded up to a whole 2 MiB page, so it stays on 4 KiB pages, and a model of narrow layers has
+    many (Qwen2.5-0.5B's q/k/v and output projections: ~1 MiB a layer, an eighth of its weights). Laid
+    side by side in one table they stream on huge pages too (where they add up to 1 MiB or more). Only where the bytes lie changes: each
+    module's `_q` becomes a view of the shared table with the same values. Done right after
+    quantising, before any forward has remembered a layer's tables (`Block._kernel_parts`).
+    """
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        return 0
+    # A table another module reads too (a tied embedding reads the head's int8 rows) stays where it
+    # is: moving it would leave that module a copy of its own.
+    shared = {t.untyped_storage().data_ptr() for m in model.modules() if not isinstance(m, Int8Linear)
+              for t in [*m.buffers(recurse=False), *vars(m).values()] if isinstance(t, Tensor)}
+    small = [m for m in model.modules() if isinstance(m, Int8Linear) and m._q is not None and m._q.device.type == "cpu"
+             and m._q.is_contiguous() and m._q.numel() * m._q.element_size() < _HUGE_TABLE_BYTES
+             and m._q.untyped_storage().data_ptr() not in shared]
+    sizes = [-(-m._q.numel() * m._q.element_size() // _TABLE_ALIGN) * _TABLE_ALIGN for m in small]
+    if len(small) < 2:
+        return 0
+    shared = kernels.table_empty([sum(sizes)], torch.uint8)
+    offset = 0
+    for module, size in zip(small, sizes):
+        q = module._q
+        view = shared[offset : offset + q.numel() * q.element_size()].view(q.dtype).view(q.shape)
+        view.copy_(q)
+        module._q = view
+        offset += size
+    return len(small)
