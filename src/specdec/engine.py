@@ -700,14 +700,16 @@ class Engine:
                   and grammar is None)
         rule, cost = None, None
         if drafter is not None:
+            read = policy.DEFAULT_READ_COSTS[policy.hardware_kind(self.model)]
             if drafter.needs.model:
                 measured = drafter.draft_cost
                 cost = self.draft_costs.setdefault(
-                    drafter.name, policy.DraftCost() if measured is None else policy.DraftCost(prior=measured))
+                    drafter.name, policy.DraftCost(read_prior=read) if measured is None
+                    else policy.DraftCost(prior=measured, read_prior=read))
             length = "fixed" if tree is not None else (draft_length or self.draft_length)
-            # A seeded sampled row prices its drafts by the prior only: its k must depend on its
-            # verdicts alone, or the same seed would give different text on another machine.
-            rule_cost = policy.DraftCost() if cost is not None and fixed_k else cost
+            # A seeded sampled row prices its drafts and reads by the priors only: its k must depend
+            # on its verdicts alone, or the same seed would give different text on another machine.
+            rule_cost = policy.DraftCost(read_prior=read) if cost is not None and fixed_k else cost
             rule = policy.row_rule(length, k, model=self.model, verify_cost=self.verify_cost,
                                    verify_overhead=self.verify_overhead, screened=screen, draft_cost=rule_cost)
         eos = () if sampling.ignore_eos else self.model.config.eos_token_ids
@@ -1024,7 +1026,7 @@ class Engine:
             # this step's price and ask for the most the rule allows, if asking has paid so far
             # (`policy.AskGate`; a lookup-first row still looks up when its model is not asked).
             rule = row.rule
-            if rule.gate.asks():
+            if rule.gate.asks() and self._reads(row):
                 d = 0.0 if rule.draft_cost is None else rule.draft_cost.per_token(self._model_source(row))
                 row.stop = policy.ChainStop(rule.verify_cost, rule.verify_overhead, rule.screened_share, d,
                                             max(1.0, rule.gate.value()))
@@ -1035,10 +1037,40 @@ class Engine:
         if drafter.needs.labels_proposals:
             # A lookup's kind is known once it is found, and looking up is free: ask for the most
             # the rule may keep, then keep what it wants for that kind (`_draft`).
-            return min(row.rule.k_max, limit)
-        # The kind of guess is known before asking (one kind): nothing to propose when the rule
-        # wants no draft (a model drafter's forward would be spent for nothing).
-        return min(row.rule.next_k(), limit)
+            k = min(row.rule.k_max, limit)
+        else:
+            # The kind of guess is known before asking (one kind): nothing to propose when the rule
+            # wants no draft (a model drafter's forward would be spent for nothing).
+            k = min(row.rule.next_k(), limit)
+        if k and (unread := drafter.pending(row.context)):
+            self._read(row, unread)  # a fixed length reads whatever it costs, timed apart
+        return k
+
+    def _reads(self, row: Row) -> bool:
+        """For a row whose self-sizing drafter the gate would ask: whether the context it has not
+        read yet (the prompt, before the first ask; what was emitted while it was not asked) is
+        worth reading for the answer's remaining tokens (`policy.AskGate.reads`), and if so read
+        it now. False: the drafter is not asked this step (nor, for a prompt too long to pay
+        back, later: the allowance only shrinks)."""
+        unread = row.drafter.pending(row.context)
+        if not unread:
+            return True
+        rule = row.rule
+        price = rule.draft_cost.per_read_token() if rule.draft_cost is not None else 0.0
+        if not rule.gate.reads(unread, row.out.remaining, price):
+            return False
+        self._read(row, unread)
+        return True
+
+    @staticmethod
+    def _read(row: Row, unread: int) -> None:
+        """The drafter reads its pending context, timed as reading (`DraftCost.observe_read`), not
+        as drafting: a prompt's read in the first proposal's time would price every draft token
+        of the drafter out."""
+        started = time.perf_counter()
+        row.drafter.read(row.context)
+        if row.draft_cost is not None and not row.fixed_k:
+            row.draft_cost.observe_read(unread, time.perf_counter() - started)
 
     @staticmethod
     def _stops(row: Row) -> bool:
