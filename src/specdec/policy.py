@@ -22,6 +22,10 @@ c0 and c are the target's (DEFAULT_VERIFY_COSTS per device and quantisation, or 
 the drafter's: ~0 for lookup drafters (a dictionary look-up), and for a drafter that runs a model
 per token (`DrafterNeeds.model`: a draft model, an EAGLE head) the time its `propose` takes per
 token relative to the time of a target step, measured online (`DraftCost`).
+
+A draft model also reads the context it has not seen (its prompt) before its first draft: once per
+request, at `DraftCost.per_read_token` plain steps a token, weighed against what drafting can save
+over the answer's remaining tokens (`AskGate.reads`).
 """
 
 from __future__ import annotations

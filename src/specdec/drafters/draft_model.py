@@ -44,10 +44,16 @@ stop leaves verification exact and a seeded request's draws independent of timin
 the prior). The cut-off above stays a floor under it.
 
 Prompt window (`window=W`, off by default). The draft reads only the prompt's first PROMPT_SINK
-tokens and its last W, at consecutive positions (`_view`): a long prompt's read in `begin` costs
+tokens and its last W, at consecutive positions (`_view`): a long prompt's read (`read`) costs
 the draft W + PROMPT_SINK tokens instead of all of them. Only acceptance can change (the target
 verifies); on the tuning prompts it fell on the long summarization and QA prompts and the saving
 did not make up for it, hence off.
+
+Reading the prompt. `begin` only makes room: the prompt stays `pending` until the core first
+means to ask for drafts, and `read` then forwards it (without a head) apart from the proposals.
+The core reads it only where the answer's remaining tokens can pay the read back
+(`policy.AskGate.reads`): for a prompt of several hundred tokens the read costs the draft as many
+target steps as a 128-token answer's drafts save, and it is paid before any draft is proposed.
 
 Reduced vocabulary (FR-Spec, Zhao et al. 2025). With `vocab=N` the draft scores only N ids: the
 first N of its vocabulary (a byte-level BPE numbers its tokens in merge order, which follows their
