@@ -315,3 +315,18 @@ def test_a_seeded_rows_reads_and_drafts_do_not_depend_on_measured_prices(peaky):
         runs.append((out.token_ids, reads, proposals, [s.drafted for s in out.steps]))
     assert runs[0] == runs[1]
     assert runs[0][1]  # the prior price reads this prompt for 30 tokens (60 * 0.07 < 0.25 * 29)
+
+
+def test_a_catch_up_after_a_pause_is_read_whatever_its_price(llama):
+    """Only the prompt's read is weighed: the gate's re-probe reads what was emitted meanwhile even
+    at a read price that the asks' poor value could never pay back."""
+    drafter = DraftModelDrafter(noisy_copy(llama, 0.5, 3), V)
+    reads, proposals = _counting(drafter)
+    engine = _engine(llama, drafter)
+    engine.draft_costs[drafter.name] = PricedRead(prior=2.0, read_prior=1.0)  # prompt: 10 plain steps
+    ids = prompts(1)[0]
+    out = engine.generate(prompt_ids=ids, max_new_tokens=120, sampling=SamplingParams(ignore_eos=True))
+    assert out.stats.drafts == 0
+    assert reads and reads[0] == len(ids) + 1  # the prompt, before the first proposal
+    assert len(reads) >= 2 and max(n - len(ids) for n in reads) > 60  # catch-ups of the re-probes, late too
+    assert max(n - len(ids) for n in proposals) > 60

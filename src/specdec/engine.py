@@ -429,6 +429,7 @@ class Row:
     steps: list[Step] | None  # per-step record (`Generation.steps`), or None
     started: float = 0.0
     begun: bool = False  # prefilled: the drafter has had `begin`
+    read: bool = False  # the drafter has read the prompt (`Engine._reads`)
     # A learned drafter's row: the prompt's final hidden states from the prefill's chunks so far.
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)
     grammar: object = None  # a `structured.GrammarState` at the committed tokens, or None
@@ -1055,13 +1056,16 @@ class Engine:
         read yet (the prompt, before the first ask; what was emitted while it was not asked) is
         worth reading for the answer's remaining tokens (`policy.AskGate.reads`), and if so read
         it now. False: the drafter is not asked this step (nor, for a prompt too long to pay
-        back, later: the allowance only shrinks)."""
+        back, later: the allowance only shrinks). Only the prompt's read is weighed: a catch-up
+        after a pause is part of the probe the gate chose to make, and weighing it against the
+        stale value that the probe is there to refresh would put the probe off."""
         unread = row.drafter.pending(row.context)
         if not unread:
+            row.read = True  # a short prompt: read along with the first proposal
             return True
         rule = row.rule
         price = rule.draft_cost.per_read_token() if rule.draft_cost is not None else 0.0
-        if not rule.gate.reads(unread, row.out.remaining, price):
+        if not row.read and not rule.gate.reads(unread, row.out.remaining, price):
             return False
         self._read(row, unread)
         return True
@@ -1073,6 +1077,7 @@ class Engine:
         of the drafter out."""
         started = time.perf_counter()
         row.drafter.read(row.context)
+        row.read = True
         if row.draft_cost is not None and not row.fixed_k:
             row.draft_cost.observe_read(unread, time.perf_counter() - started)
 
