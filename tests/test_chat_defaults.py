@@ -48,8 +48,8 @@ def test_quantize_auto_is_int8_on_the_cpu_for_quantised_sources(monkeypatch):
 def test_drafter_auto_is_lookup_or_the_presets_pair():
     assert resolve_drafter("auto", "default") == ("ngram", None)
     assert resolve_drafter("auto", "/models/x.gguf", 0.2) == ("ngram", 0.2)
-    assert resolve_drafter("auto", "qwen2.5-coder-1.5b-instruct") == ("qwen2.5-coder-0.5b-instruct", 0.5)
-    assert resolve_drafter("auto", "qwen2.5-coder-1.5b-instruct", 0.0) == ("qwen2.5-coder-0.5b-instruct", 0.0)
+    assert resolve_drafter("auto", "qwen2.5-coder-1.5b-instruct") == ("ngram+qwen2.5-coder-0.5b-instruct", 0.5)
+    assert resolve_drafter("auto", "qwen2.5-coder-1.5b-instruct", 0.0) == ("ngram+qwen2.5-coder-0.5b-instruct", 0.0)
     assert resolve_drafter("auto", "qwen2.5-coder-0.5b-instruct") == ("ngram", None)  # no pair of its own
     assert resolve_drafter("none", "qwen2.5-coder-1.5b-instruct") == ("none", None)
     from specdec.engine import pair_draft_vocab

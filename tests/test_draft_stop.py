@@ -1,6 +1,8 @@
 """A draft model that sizes its own chains: the price-based chain stop (`policy.ChainStop`), the
-ask gate that re-probes a drafter it stopped asking (`policy.AskGate`), and the prompt window; the
-output stays exact (greedy identity; sampled distribution by a chi-square test)."""
+ask gate that re-probes a drafter it stopped asking (`policy.AskGate`), the draft's read of its
+context (deferred to the first ask, and skipped where the answer's remaining tokens cannot pay it
+back: `AskGate.reads`), and the prompt window; the output stays exact (greedy identity; sampled
+distribution by a chi-square test)."""
 
 import pytest
 import torch
@@ -192,11 +194,139 @@ def test_a_windowed_draft_reads_the_prompts_start_and_end_and_stays_exact(peaky)
     drafter = DraftModelDrafter(noisy_copy(peaky, 0.1, 1), V, window=16)
     ids = [(7 * i + 3) % V for i in range(120)]
     drafter.begin(ids)
-    assert drafter.cached_tokens == ids[:PROMPT_SINK] + ids[-16:]
+    assert drafter.cached_tokens == []  # the prompt is read when the core means to ask (`read`)
+    drafter.read(ids)
+    assert drafter.cached_tokens == (ids[:PROMPT_SINK] + ids[-16:])[:-1]  # the last: by the proposal
     engine, plain = _engine(peaky, drafter, price=0.1), Engine(peaky, None)
     out = engine.generate(prompt_ids=ids, max_new_tokens=24)
     assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=24).token_ids
     assert out.stats.drafts > 0
     short = list(range(PROMPT_SINK + 10))  # within the window: read whole
     drafter.begin(short)
-    assert drafter.cached_tokens == short
+    drafter.read(short)
+    assert drafter.cached_tokens == short[:-1]
+
+
+# -- the draft's read of its context ------------------------------------------------------------
+
+
+def test_a_read_is_worth_it_only_where_the_remaining_tokens_can_pay_it_back():
+    # A fresh gate's asks are worth 4/3 tokens per plain step: a quarter of each remaining token's
+    # plain step saved, 32 plain steps over 128 tokens.
+    gate = AskGate()
+    assert gate.reads(100, 128, 0.3)  # 30 < 32
+    assert not gate.reads(110, 128, 0.3)  # 33 > 32
+    assert gate.reads(110, 512, 0.3)  # a longer allowance pays a longer prompt
+    assert gate.reads(10_000, 128, 0.0)  # a free read is always worth it
+    rich = AskGate()
+    for _ in range(20):
+        rich.observe_ask(3.0, 1.0)  # asks that earned 3 tokens for 1 plain step each
+    assert rich.value() > 1.8 and rich.reads(110, 128, 0.3)  # evidence of pay: a dearer read pays
+    poor = AskGate()
+    for _ in range(20):
+        poor.observe_ask(0.0, 0.5)
+    assert poor.value() < 1 and not poor.reads(1, 10_000, 0.0)  # asks that lose never pay a read
+
+
+def test_the_read_price_is_its_prior_until_a_read_and_a_step_are_measured():
+    cost = DraftCost(read_prior=0.07)
+    assert cost.per_read_token() == 0.07
+    cost.observe_read(100, 0.5)  # 5 ms a token
+    assert cost.per_read_token() == 0.07  # no plain step measured yet
+    cost.observe_step(0.1, 2.0)  # 50 ms a plain step
+    assert cost.per_read_token() == pytest.approx(0.1)
+
+
+class PricedRead(FixedPrice):
+    """FixedPrice with the read's price pinned too (a measured one would depend on timings)."""
+
+    def per_read_token(self):
+        return self.read_prior
+
+
+def _counting(drafter):
+    """Record the context length of each `read` and `propose` call on `drafter`."""
+    reads, proposals = [], []
+    read, propose = drafter.read, drafter.propose
+    drafter.read = lambda context: reads.append(len(context)) or read(context)
+    drafter.propose = lambda context, k: proposals.append(len(context)) or propose(context, k)
+    return reads, proposals
+
+
+def test_a_prompt_too_long_for_the_allowance_is_never_read_and_the_output_is_plain(peaky):
+    ids = prompts(1, length=80)[0]
+    drafter = DraftModelDrafter(peaky, V)
+    reads, proposals = _counting(drafter)
+    engine = _engine(peaky, drafter)
+    engine.draft_costs[drafter.name] = PricedRead(prior=0.1, read_prior=0.5)  # the prompt: 40 plain steps
+    plain = Engine(peaky, None)
+    short = engine.generate(prompt_ids=ids, max_new_tokens=40, sampling=SamplingParams(ignore_eos=True))
+    assert short.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=40,
+                                             sampling=SamplingParams(ignore_eos=True)).token_ids
+    assert reads == [] and proposals == [] and short.stats.drafts == 0  # 0.25 * 39 < 40: never read
+    # The same prompt with room for 300 tokens: read once, then drafted from.
+    long = engine.generate(prompt_ids=ids, max_new_tokens=300, sampling=SamplingParams(ignore_eos=True))
+    assert long.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=300,
+                                            sampling=SamplingParams(ignore_eos=True)).token_ids
+    assert reads[0] == len(ids) + 1 and long.stats.drafts > 0  # after the first token, before any proposal
+    assert proposals and proposals[0] >= reads[0]
+
+
+def test_a_lookup_first_row_looks_up_without_reading_a_prompt_it_cannot_pay_back(peaky):
+    ids = [5, 6, 7, 8, 9] * 16
+    drafter = DraftModelDrafter(peaky, V)
+    reads, proposals = _counting(drafter)
+    combined = lookup_first(NgramDrafter(), drafter)
+    engine = _engine(peaky, combined)
+    engine.draft_costs[combined.name] = PricedRead(prior=0.1, read_prior=0.5)
+    out = engine.generate(prompt_ids=ids, max_new_tokens=24)
+    assert out.token_ids == Engine(peaky, None).generate(prompt_ids=ids, max_new_tokens=24).token_ids
+    assert reads == [] and proposals == [] and out.stats.drafts > 0  # the lookup's drafts only
+
+
+def test_the_prompt_is_read_apart_from_the_proposals_and_its_read_is_priced(peaky):
+    # A fixed length reads whatever it costs, but before the first proposal and timed as a read.
+    ids = prompts(1, length=40)[0]
+    drafter = DraftModelDrafter(peaky, V)
+    pending = []
+    propose = drafter.propose
+    drafter.propose = lambda context, k: pending.append(drafter.pending(context)) or propose(context, k)
+    engine = Engine(peaky, None, drafter=drafter, num_speculative_tokens=3, draft_length="fixed")
+    out = engine.generate(prompt_ids=ids, max_new_tokens=16)
+    assert out.stats.drafts > 0 and pending and set(pending) == {0}
+    assert engine.draft_costs[drafter.name]._read[1] == len(ids)  # prompt + first token, the last unread
+
+
+def test_a_seeded_rows_reads_and_drafts_do_not_depend_on_measured_prices(peaky):
+    """A seeded sampled row decides its read by the prior price, whatever the drafter's measured
+    prices say: the same seed gives the same text and the same reads on any machine."""
+    ids = prompts(1, length=60)[0]
+    runs = []
+    for read_s, draft_s in ((1e-6, 1e-6), (10.0, 10.0)):
+        drafter = DraftModelDrafter(noisy_copy(peaky, 0.1, 2), V)
+        reads, proposals = _counting(drafter)
+        engine = _engine(peaky, drafter)
+        measured = engine.draft_costs.setdefault(drafter.name, DraftCost())
+        measured.observe_step(0.01, 1.0)
+        measured.observe_read(10, read_s)  # measured: reads nearly free, or ruinous
+        measured.observe_draft(None, 1, draft_s)
+        out = engine.generate(prompt_ids=ids, max_new_tokens=30,
+                              sampling=SamplingParams(temperature=0.8, seed=3, ignore_eos=True))
+        runs.append((out.token_ids, reads, proposals, [s.drafted for s in out.steps]))
+    assert runs[0] == runs[1]
+    assert runs[0][1]  # the prior price reads this prompt for 30 tokens (60 * 0.07 < 0.25 * 29)
+
+
+def test_a_catch_up_after_a_pause_is_read_whatever_its_price(llama):
+    """Only the prompt's read is weighed: the gate's re-probe reads what was emitted meanwhile even
+    at a read price that the asks' poor value could never pay back."""
+    drafter = DraftModelDrafter(noisy_copy(llama, 0.5, 3), V)
+    reads, proposals = _counting(drafter)
+    engine = _engine(llama, drafter)
+    engine.draft_costs[drafter.name] = PricedRead(prior=2.0, read_prior=1.0)  # prompt: 10 plain steps
+    ids = prompts(1)[0]
+    out = engine.generate(prompt_ids=ids, max_new_tokens=120, sampling=SamplingParams(ignore_eos=True))
+    assert out.stats.drafts == 0
+    assert reads and reads[0] == len(ids) + 1  # the prompt, before the first proposal
+    assert len(reads) >= 2 and max(n - len(ids) for n in reads) > 60  # catch-ups of the re-probes, late too
+    assert max(n - len(ids) for n in proposals) > 60

@@ -158,17 +158,20 @@ def test_a_preset_pair_loads_through_engine_load(env, tmp_path):
     register(fake_preset(data, 3, name="fake-draft"))
     register(fake_preset(data, 3, name="fake-target", draft="fake-draft"))
     assert draft_model_path("fake-draft") == presets.cached_path(presets.get("fake-draft"))
-    assert resolve_drafter("auto", "fake-target") == ("fake-draft", None)
+    assert resolve_drafter("auto", "fake-target") == ("ngram+fake-draft", None)
     engine = Engine.load("fake-target", drafter="ngram+fake-draft", dtype="float32", quantize="none",
                          num_speculative_tokens=3, draft_length="fixed")
     assert isinstance(engine.drafter, LookupFirstDrafter)
-    alone = Engine.load("fake-target", dtype="float32", quantize="none", num_speculative_tokens=3,
-                        draft_length="fixed")  # drafter "auto": the pair
-    assert isinstance(alone.drafter, DraftModelDrafter) and alone.drafter.draft_cost > 0
+    auto = Engine.load("fake-target", dtype="float32", quantize="none", num_speculative_tokens=3,
+                        draft_length="fixed")  # drafter "auto": lookup first, then the pair's draft
+    assert isinstance(auto.drafter, LookupFirstDrafter) and isinstance(auto.drafter.learned, DraftModelDrafter)
+    assert auto.drafter.draft_cost > 0
     ids = [5, 9, 11, 40, 2, 17]
     plain = engine.generate(prompt_ids=ids, max_new_tokens=20, speculative=False)
-    for e in (engine, alone):
+    for e in (engine, auto):
         spec = e.generate(prompt_ids=ids, max_new_tokens=20)
         assert spec.token_ids == plain.token_ids
     # The same model as its own draft: every draft is accepted.
-    assert alone.generate(prompt_ids=ids, max_new_tokens=20).stats.acceptance_rate == 1.0
+    draft_only = Engine(auto.model, None, drafter=auto.drafter.learned, num_speculative_tokens=3,
+                        draft_length="fixed")
+    assert draft_only.generate(prompt_ids=ids, max_new_tokens=20).stats.acceptance_rate == 1.0

@@ -28,8 +28,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="HF folder, .gguf file, or a named model (`specdec models`, e.g. qwen2.5-coder-1.5b-instruct) "
                           "(default: Gemma 3 270M)")
     gen.add_argument("--drafter", default="auto",
-                     help="auto (default: for a named model with a paired draft model, that draft model with "
-                          "its confidence cut-off; otherwise prompt lookup, ngram; the cost-aware draft length "
+                     help="auto (default: for a named model with a paired draft model, prompt lookup first and that "
+                          "draft model with its confidence cut-off where lookup finds nothing (ngram+DRAFT); otherwise prompt lookup, ngram; the cost-aware draft length "
                           "drafts only where it pays, a draft model's tokens priced at its measured cost and "
                           "its chains ended where the product of its confidences stops paying) | none | ngram | suffix | eagle (the shipped head of the default model) | "
                           "eagle:DIR (a trained head) | a named model or the PATH of a draft model (HF folder or .gguf) "

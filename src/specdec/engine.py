@@ -227,16 +227,20 @@ def resolve_quantize(quantize: str, device: str, target: str) -> str:
 
 
 def resolve_drafter(drafter: str, target: str, draft_p_min: float | None = None) -> tuple[str, float | None]:
-    """(drafter, draft_p_min): "auto" -> a preset target's paired draft model, with the pair's
-    confidence cut-off unless one is given (chat answers have little to copy: prompt lookup first
-    measured slower, its weak matches taking the place of the model's drafts); else prompt lookup,
-    which the cost-aware draft length turns down where it finds nothing to copy."""
+    """(drafter, draft_p_min): "auto" -> for a preset target, prompt lookup first and its paired
+    draft model where lookup finds nothing (`ngram+DRAFT`), with the pair's confidence cut-off
+    unless one is given; else prompt lookup, which the cost-aware draft length turns down where it
+    finds nothing to copy. The lookup part costs nothing where it finds nothing, its weak matches
+    give way to the model (`Engine._learned_first`), and where the draft model does not read a long
+    prompt (`policy.AskGate.reads`) lookup still drafts: on the pair's tuning prompts
+    (scripts/draft_tuning_prompts.jsonl) the combination was as fast as the draft model alone on
+    short prompts and 1.2-1.3x plain on the long summaries where the draft alone was plain."""
     from .models import presets
 
     if drafter != "auto":
         return drafter, draft_p_min
     if presets.is_preset(str(target)) and (pair := presets.get(str(target))).draft:
-        return pair.draft, pair.draft_p_min if draft_p_min is None else draft_p_min
+        return f"ngram+{pair.draft}", pair.draft_p_min if draft_p_min is None else draft_p_min
     return "ngram", draft_p_min
 
 
@@ -425,6 +429,7 @@ class Row:
     steps: list[Step] | None  # per-step record (`Generation.steps`), or None
     started: float = 0.0
     begun: bool = False  # prefilled: the drafter has had `begin`
+    read: bool = False  # the drafter has read the prompt (`Engine._reads`)
     # A learned drafter's row: the prompt's final hidden states from the prefill's chunks so far.
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)
     grammar: object = None  # a `structured.GrammarState` at the committed tokens, or None
@@ -558,7 +563,7 @@ class Engine:
         weights are 4-bit and int8 otherwise (`resolve_quantize`).
 
         `drafter="auto"` (the default) is prompt lookup, or for a preset target with a paired draft
-        model, that draft model (`resolve_drafter`) with the pair's reduced vocabulary unless
+        model, lookup first and that draft model where lookup finds nothing (`resolve_drafter`) with the pair's reduced vocabulary unless
         `draft_vocab` is given (`pair_draft_vocab`). `draft_quantize` sets the
         draft model's quantisation (default: the target's).
 
@@ -712,14 +717,16 @@ class Engine:
                   and grammar is None)
         rule, cost = None, None
         if drafter is not None:
+            read = policy.DEFAULT_READ_COSTS[policy.hardware_kind(self.model)]
             if drafter.needs.model:
                 measured = drafter.draft_cost
                 cost = self.draft_costs.setdefault(
-                    drafter.name, policy.DraftCost() if measured is None else policy.DraftCost(prior=measured))
+                    drafter.name, policy.DraftCost(read_prior=read) if measured is None
+                    else policy.DraftCost(prior=measured, read_prior=read))
             length = "fixed" if tree is not None else (draft_length or self.draft_length)
-            # A seeded sampled row prices its drafts by the prior only: its k must depend on its
-            # verdicts alone, or the same seed would give different text on another machine.
-            rule_cost = policy.DraftCost() if cost is not None and fixed_k else cost
+            # A seeded sampled row prices its drafts and reads by the priors only: its k must depend
+            # on its verdicts alone, or the same seed would give different text on another machine.
+            rule_cost = policy.DraftCost(read_prior=read) if cost is not None and fixed_k else cost
             rule = policy.row_rule(length, k, model=self.model, verify_cost=self.verify_cost,
                                    verify_overhead=self.verify_overhead, screened=screen, draft_cost=rule_cost)
         eos = () if sampling.ignore_eos else self.model.config.eos_token_ids
@@ -1036,7 +1043,7 @@ class Engine:
             # this step's price and ask for the most the rule allows, if asking has paid so far
             # (`policy.AskGate`; a lookup-first row still looks up when its model is not asked).
             rule = row.rule
-            if rule.gate.asks():
+            if rule.gate.asks() and self._reads(row):
                 d = 0.0 if rule.draft_cost is None else rule.draft_cost.per_token(self._model_source(row))
                 row.stop = policy.ChainStop(rule.verify_cost, rule.verify_overhead, rule.screened_share, d,
                                             max(1.0, rule.gate.value()))
@@ -1047,10 +1054,44 @@ class Engine:
         if drafter.needs.labels_proposals:
             # A lookup's kind is known once it is found, and looking up is free: ask for the most
             # the rule may keep, then keep what it wants for that kind (`_draft`).
-            return min(row.rule.k_max, limit)
-        # The kind of guess is known before asking (one kind): nothing to propose when the rule
-        # wants no draft (a model drafter's forward would be spent for nothing).
-        return min(row.rule.next_k(), limit)
+            k = min(row.rule.k_max, limit)
+        else:
+            # The kind of guess is known before asking (one kind): nothing to propose when the rule
+            # wants no draft (a model drafter's forward would be spent for nothing).
+            k = min(row.rule.next_k(), limit)
+        if k and (unread := drafter.pending(row.context)):
+            self._read(row, unread)  # a fixed length reads whatever it costs, timed apart
+        return k
+
+    def _reads(self, row: Row) -> bool:
+        """For a row whose self-sizing drafter the gate would ask: whether the context it has not
+        read yet (the prompt, before the first ask; what was emitted while it was not asked) is
+        worth reading for the answer's remaining tokens (`policy.AskGate.reads`), and if so read
+        it now. False: the drafter is not asked this step (nor, for a prompt too long to pay
+        back, later: the allowance only shrinks). Only the prompt's read is weighed: a catch-up
+        after a pause is part of the probe the gate chose to make, and weighing it against the
+        stale value that the probe is there to refresh would put the probe off."""
+        unread = row.drafter.pending(row.context)
+        if not unread:
+            row.read = True  # a short prompt: read along with the first proposal
+            return True
+        rule = row.rule
+        price = rule.draft_cost.per_read_token() if rule.draft_cost is not None else 0.0
+        if not row.read and not rule.gate.reads(unread, row.out.remaining, price):
+            return False
+        self._read(row, unread)
+        return True
+
+    @staticmethod
+    def _read(row: Row, unread: int) -> None:
+        """The drafter reads its pending context, timed as reading (`DraftCost.observe_read`), not
+        as drafting: a prompt's read in the first proposal's time would price every draft token
+        of the drafter out."""
+        started = time.perf_counter()
+        row.drafter.read(row.context)
+        row.read = True
+        if row.draft_cost is not None and not row.fixed_k:
+            row.draft_cost.observe_read(unread, time.perf_counter() - started)
 
     @staticmethod
     def _stops(row: Row) -> bool:

@@ -22,6 +22,10 @@ c0 and c are the target's (DEFAULT_VERIFY_COSTS per device and quantisation, or 
 the drafter's: ~0 for lookup drafters (a dictionary look-up), and for a drafter that runs a model
 per token (`DrafterNeeds.model`: a draft model, an EAGLE head) the time its `propose` takes per
 token relative to the time of a target step, measured online (`DraftCost`).
+
+A draft model also reads the context it has not seen (its prompt) before its first draft: once per
+request, at `DraftCost.per_read_token` plain steps a token, weighed against what drafting can save
+over the answer's remaining tokens (`AskGate.reads`).
 """
 
 from __future__ import annotations
@@ -52,6 +56,13 @@ SCREENED_SHARE = {"cpu-int8": 0.45}
 # for seeded sampled rows (whose k must not depend on timings): optimistic, so the first step
 # drafts and measures the real price.
 DEFAULT_DRAFT_TOKEN_COST = 0.0
+# The price of a draft model's read of one prompt token (its prefill, `Drafter.read`), in plain
+# target steps, before a read has been measured, and for seeded sampled rows (timing-free). A
+# prefill is priced per token by its arithmetic, not by a pass over the weights, so it is a small
+# fraction of a decode step, but a prompt has hundreds of tokens. cpu-int4: the Qwen2.5-Coder
+# 0.5B draft reading 500-650-token prompts for the 1.5B int4 target (scripts/draft_tuning_prompts.jsonl,
+# 0.07); the other CPU rows are taken to be alike (not fitted); the CUDA row is an estimate.
+DEFAULT_READ_COSTS = {"cpu": 0.07, "cpu-int8": 0.07, "cpu-int4": 0.07, "cuda": 0.01}
 
 
 def hardware_kind(model) -> str:
@@ -86,12 +97,18 @@ class DraftCost:
     `propose` per drafted token, and seconds of one plain target step (a verify pass's time over
     its modelled cost in plain steps). Their ratio is the price. Before both are measured, `prior`.
     Shared by the rows of one drafter, since the price is the drafter's, not a request's.
+
+    Apart from its drafts, a draft model reads the context it has not seen (`Drafter.read`: the
+    prompt, once): the price of one token read, `per_read_token`, is kept the same way (`read_prior`
+    before a read and a step are measured).
     """
 
     prior: float = DEFAULT_DRAFT_TOKEN_COST
     decay: float = 0.9
+    read_prior: float = DEFAULT_READ_COSTS["cpu-int4"]
     _draft: dict = field(default_factory=dict)  # source -> [weighted seconds, weighted tokens]
     _step: list = field(default_factory=lambda: [0.0, 0.0])  # [weighted seconds, weighted plain steps]
+    _read: list = field(default_factory=lambda: [0.0, 0.0])  # [weighted seconds, weighted tokens read]
 
     def observe_draft(self, source: object, tokens: int, seconds: float) -> None:
         if tokens <= 0:
@@ -108,6 +125,18 @@ class DraftCost:
         if w is None or not w[1] or not self._step[1] or not self._step[0]:
             return self.prior
         return (w[0] / w[1]) / (self._step[0] / self._step[1])
+
+    def observe_read(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        self._read[0] = self.decay * self._read[0] + seconds
+        self._read[1] = self.decay * self._read[1] + tokens
+
+    def per_read_token(self) -> float:
+        """The price of reading one context token, in plain target steps."""
+        if not self._read[1] or not self._step[1] or not self._step[0]:
+            return self.read_prior
+        return (self._read[0] / self._read[1]) / (self._step[0] / self._step[1])
 
 
 @dataclass
@@ -354,6 +383,23 @@ class AskGate:
 
     def asks(self) -> bool:
         return self.gain + self.prior_gain > self.cost + self.prior_cost
+
+    def reads(self, unread: int, remaining: int, read_cost: float) -> bool:
+        """Whether to let the drafter read `unread` context tokens (at `read_cost` plain steps each)
+        so that it can be asked: a cost paid before any draft, which only the answer's `remaining`
+        tokens can pay back. Drafting them at the asks' `value` v (tokens per plain step) takes
+        remaining / v plain steps instead of remaining, so the read pays where
+
+            remaining (1 - 1 / v) > unread * read_cost.
+
+        A long prompt with a short allowance is then answered without the draft (in a lookup-first
+        combination, lookup alone), where reading it would cost more than its drafts can save even
+        at good acceptance. v is the prior's (4/3: a quarter of each plain step saved) until asks
+        have been heard; later a gate reopening after a long pause weighs its catch-up the same way.
+        Deterministic given the verdicts and the prices, as the gate is.
+        """
+        v = self.value()
+        return v > 1 and remaining * (1 - 1 / v) > unread * read_cost
 
     def value(self) -> float:
         """Expected tokens per plain step of a step that asks (1: a plain step's)."""

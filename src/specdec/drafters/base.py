@@ -142,6 +142,19 @@ class Drafter(Protocol):
         (With `needs.fallback`, also `fallback_k=`: see `combined.LookupFirstDrafter`.)"""
         ...
 
+    def pending(self, context: list[int]) -> int:
+        """Tokens of `context` the drafter must read (a model forward over them) before it can
+        draft after it, beyond the few a proposal reads along with its first position: a draft
+        model's whole prompt before its first proposal, or the tokens emitted while it was not
+        asked. 0 for a drafter that reads nothing (lookup) and in steady state."""
+        ...
+
+    def read(self, context: list[int]) -> None:
+        """Read the `pending` tokens of `context` now, so that the next `propose` only drafts: the
+        core times the read apart from the drafts, and decides whether it pays at all
+        (`policy.AskGate.reads`)."""
+        ...
+
     def propose_tree(self, context: list[int], depth: int, top_k: int, budget: int) -> TokenTree:
         """With `needs.trees`: at most `budget` nodes, `depth` levels and `top_k` children per node.
 
@@ -210,6 +223,12 @@ class DrafterBase:
         return type(self)()
 
     def begin(self, prompt_ids: list[int], sampling=None, generator=None) -> None:
+        pass
+
+    def pending(self, context: list[int]) -> int:
+        return 0
+
+    def read(self, context: list[int]) -> None:
         pass
 
     def propose_tree(self, context: list[int], depth: int, top_k: int, budget: int) -> TokenTree:

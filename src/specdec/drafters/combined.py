@@ -65,6 +65,12 @@ class LookupFirstDrafter(DrafterBase):
     def batch_member(self):
         return self.learned
 
+    def pending(self, context: list[int]) -> int:
+        return self.learned.pending(context)
+
+    def read(self, context: list[int]) -> None:
+        self.learned.read(context)
+
     def stop_by(self, stop) -> None:
         # Only the learned part's chains are sized by their price; a lookup's is cut by the rule.
         self.learned.stop_by(stop)

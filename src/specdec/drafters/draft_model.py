@@ -44,10 +44,16 @@ stop leaves verification exact and a seeded request's draws independent of timin
 the prior). The cut-off above stays a floor under it.
 
 Prompt window (`window=W`, off by default). The draft reads only the prompt's first PROMPT_SINK
-tokens and its last W, at consecutive positions (`_view`): a long prompt's read in `begin` costs
+tokens and its last W, at consecutive positions (`_view`): a long prompt's read (`read`) costs
 the draft W + PROMPT_SINK tokens instead of all of them. Only acceptance can change (the target
 verifies); on the tuning prompts it fell on the long summarization and QA prompts and the saving
 did not make up for it, hence off.
+
+Reading the prompt. `begin` only makes room: the prompt stays `pending` until the core first
+means to ask for drafts, and `read` then forwards it (without a head) apart from the proposals.
+The core reads it only where the answer's remaining tokens can pay the read back
+(`policy.AskGate.reads`): for a prompt of several hundred tokens the read costs the draft as many
+target steps as a 128-token answer's drafts save, and it is paid before any draft is proposed.
 
 Reduced vocabulary (FR-Spec, Zhao et al. 2025). With `vocab=N` the draft scores only N ids: the
 first N of its vocabulary (a byte-level BPE numbers its tokens in merge order, which follows their
@@ -296,12 +302,11 @@ class DraftModelDrafter(DrafterBase):
         self._cut = 0
         if self.window is not None and len(prompt_ids) > PROMPT_SINK + self.window:
             self._cut = len(prompt_ids) - self.window
-        # The prompt's keys and values now, with the target's prefill, not in the first `propose`:
-        # the engine times each propose as the price of its draft tokens (`policy.DraftCost`), and
-        # a first proposal charged with a whole prompt's forward priced the draft model out for
-        # good (it then drafted nothing more to be measured again).
-        if prompt_ids:
-            self._sync(self._view(prompt_ids))
+        # The prompt is not read here: reading it is the draft's largest single cost (a prompt of a
+        # few hundred tokens costs as many plain target steps as a short answer saves), paid before
+        # any draft is proposed. It is `pending` until the core first means to ask, which `read`s
+        # it apart from the drafts (their price per token stays that of drafting) where the
+        # answer's remaining tokens can pay it back (`policy.AskGate.reads`), or never.
 
     def propose(self, context: list[int], k: int) -> Proposal:
         check_k(k)
@@ -320,6 +325,36 @@ class DraftModelDrafter(DrafterBase):
 
     def stop_by(self, stop) -> None:
         self._stop = stop
+
+    def pending(self, context: list[int]) -> int:
+        """Tokens of `context` (as the draft reads it, `_view`) that are not in the cache, the last
+        one excepted (a proposal forwards it for its first logits); 0 when no more than
+        _BATCHED_CATCH_UP are missing, which a proposal reads along in its first forward."""
+        if self._cache is None or not context:
+            return 0
+        view = self._view(context)
+        missing = len(view) - 1 - common_prefix_length(self._tokens, view)
+        return missing if missing > _BATCHED_CATCH_UP else 0
+
+    @torch.inference_mode()
+    def read(self, context: list[int]) -> None:
+        """Forward the missing part of `context` but its last token into the cache (no head: no
+        logits are needed until a proposal)."""
+        if self._cache is None:
+            self.begin(list(context))
+        view = self._view(context)
+        keep = min(common_prefix_length(self._tokens, view), len(view) - 1)
+        self._cache.truncate(keep)
+        del self._tokens[keep:]
+        new = view[keep:-1]
+        if not new:
+            return
+        self._ensure_room(len(new))
+        vocab = self.model.config.vocab_size
+        ids = torch.tensor([[t if t < vocab else 0 for t in new]], device=self.device)  # [1, T]
+        positions = torch.arange(keep, keep + len(new), device=self.device)[None]  # [1, T]
+        self.model(ids, positions, self._cache, last_n=0)
+        self._tokens.extend(new)
 
     def _view(self, context: Sequence[int]) -> list[int]:
         """What the draft reads of `context`: all of it, or with a prompt window the prompt's first

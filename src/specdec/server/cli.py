@@ -124,7 +124,8 @@ def settings_from_args(args):
         name = "gemma-3-270m" if args.model == "default" else Path(args.model).name.removesuffix(".gguf")
     from ..engine import resolve_drafter
 
-    # "auto": a named model's paired draft model (with its confidence cut-off), else prompt lookup.
+    # "auto": prompt lookup first and a named model's paired draft model (with its confidence
+    # cut-off), else prompt lookup.
     drafter, draft_p_min = resolve_drafter(args.drafter, args.model)
     if args.draft_tree is not None:
         from ..drafters.base import TreeShape
