@@ -238,6 +238,7 @@ class DraftModelDrafter(DrafterBase):
         twin._pool = None
         twin.draft_p_min = _KEEP_ANY  # the confidence is read; no token falls below it
         twin.begin(prompt[:-1])
+        twin.read(prompt)  # begin leaves the prompt unread (`pending`); the cache holds prompt[:-1]
         return twin
 
     def draft_step_seconds(self, context: list[int]) -> float:
