@@ -138,15 +138,10 @@ def test_wrong_or_cut_parts_never_become_the_cached_file(env):
     assert list(cache.iterdir()) == []
 
 
-def test_a_preset_pair_loads_through_engine_load(env, tmp_path):
-    """A preset target with its paired preset draft resolves through `loader.resolve` and
-    `draft_model_path`; speculative decoding with it gives plain decoding's tokens."""
+def register_tiny_pair(env, tmp_path, **target) -> None:
+    """fake-target and its paired fake-draft: one tiny Gemma 3 GGUF cut into three packages."""
     import transformers as T
     from test_gguf import write_gemma3_gguf
-
-    from specdec.drafters.combined import LookupFirstDrafter
-    from specdec.drafters.draft_model import DraftModelDrafter
-    from specdec.engine import Engine, draft_model_path, resolve_drafter
 
     cfg = T.Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
@@ -156,7 +151,17 @@ def test_a_preset_pair_loads_through_engine_load(env, tmp_path):
     data = (tmp_path / "tiny.gguf").read_bytes()
     make_parts(env, data, 3)
     register(fake_preset(data, 3, name="fake-draft"))
-    register(fake_preset(data, 3, name="fake-target", draft="fake-draft"))
+    register(fake_preset(data, 3, name="fake-target", draft="fake-draft", **target))
+
+
+def test_a_preset_pair_loads_through_engine_load(env, tmp_path):
+    """A preset target with its paired preset draft resolves through `loader.resolve` and
+    `draft_model_path`; speculative decoding with it gives plain decoding's tokens."""
+    from specdec.drafters.combined import LookupFirstDrafter
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.engine import Engine, draft_model_path, resolve_drafter
+
+    register_tiny_pair(env, tmp_path)
     assert draft_model_path("fake-draft") == presets.cached_path(presets.get("fake-draft"))
     assert resolve_drafter("auto", "fake-target") == ("ngram+fake-draft", None)
     engine = Engine.load("fake-target", drafter="ngram+fake-draft", dtype="float32", quantize="none",
@@ -175,3 +180,31 @@ def test_a_preset_pair_loads_through_engine_load(env, tmp_path):
     draft_only = Engine(auto.model, None, drafter=auto.drafter.learned, num_speculative_tokens=3,
                         draft_length="fixed")
     assert draft_only.generate(prompt_ids=ids, max_new_tokens=20).stats.acceptance_rate == 1.0
+
+
+def test_the_server_drafts_with_the_pairs_reduced_vocabulary(env, tmp_path):
+    """`serve --model PAIR` under the default drafter loads the paired draft with the pair's reduced
+    vocabulary, as `Engine.load` does; --draft-vocab overrides it (0: all ids), a negative one is
+    the one-line error."""
+    import argparse
+
+    from specdec.engine import Engine
+    from specdec.errors import InvalidRequestError
+    from specdec.scheduler import serving_drafters
+    from specdec.server.cli import add_arguments, settings_from_args
+
+    register_tiny_pair(env, tmp_path, draft_vocab=40)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    settings = settings_from_args(parser.parse_args(["--model", "fake-target"]))
+    assert (settings.drafter, settings.draft_vocab) == ("ngram+fake-draft", 40)
+    assert settings_from_args(parser.parse_args(["--model", "fake-target", "--draft-vocab", "0"])).draft_vocab == 0
+    assert settings_from_args(parser.parse_args(["--model", "fake-target", "--drafter", "ngram"])).draft_vocab is None
+    with pytest.raises(InvalidRequestError, match="--draft-vocab"):
+        settings_from_args(parser.parse_args(["--model", "fake-target", "--draft-vocab", "-1"]))
+    engine = Engine.load("fake-target", drafter="none", dtype="float32", quantize="none")
+    for vocab, kept in ((40, range(40, 96)), (None, range(96, 97))):
+        drafters, default = serving_drafters(settings.drafter, engine.model, engine.tokenizer, draft_vocab=vocab)
+        assert default == "ngram+draft_model"
+        draft = drafters["draft_model"]
+        assert (draft.vocab_ids is None and kept.start == 96) or len(draft.vocab_ids) in kept

@@ -62,6 +62,7 @@ class ServerSettings:
     served_model_name: str = "default"
     drafter: str = "none"
     draft_p_min: float | None = None  # a draft model's confidence cut-off (None: its default)
+    draft_vocab: int | None = None  # a draft model's kept ids (FR-Spec; None: all)
     num_speculative_tokens: int = 5
     max_batch: int = 16
     max_queue: int = 64
@@ -149,7 +150,8 @@ def create_app(settings: ServerSettings,
         try:
             model, tokenizer = load(settings)
             # Every drafter a request may name is loaded now, once (a draft model, an EAGLE head).
-            drafters, default = serving_drafters(settings.drafter, model, tokenizer, draft_p_min=settings.draft_p_min)
+            drafters, default = serving_drafters(settings.drafter, model, tokenizer, draft_p_min=settings.draft_p_min,
+                                                 draft_vocab=settings.draft_vocab)
             trees = {}
             if settings.draft_tree:
                 shape = TreeShape.parse(settings.draft_tree)

@@ -28,6 +28,10 @@ def add_arguments(parser) -> None:
                              "model's path | ngram+LEARNED | suffix+LEARNED; requests may choose another loaded one "
                              "by name with `speculative` (none, ngram, suffix, and eagle / draft_model and their "
                              "ngram+ / suffix+ combinations when one was loaded)")
+    parser.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                        help="a draft model scores only its N most frequent ids (FR-Spec; verification still "
+                             "scores every id, so output is unchanged); 0 = all; default: the named pair's "
+                             "setting under --drafter auto, else all ids")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
     parser.add_argument("--draft-tree", metavar="DEPTHxTOPKxBUDGET", default=None,
                         help="draft token trees of this shape (e.g. 3x2x6) in every batch with the loaded drafters "
@@ -98,6 +102,8 @@ def settings_from_args(args):
     for name in ("num_speculative_tokens", "max_batch", "max_model_len", "spec_token_budget"):
         if getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 1", name)
+    if args.draft_vocab is not None and args.draft_vocab < 0:
+        raise InvalidRequestError(f"--draft-vocab must be >= 0 (0 = all ids), got {args.draft_vocab}", "draft_vocab")
     for name in ("max_queue", "prefill_chunk", "prefix_cache_tokens"):
         if getattr(args, name) < 0:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 0", name)
@@ -127,6 +133,11 @@ def settings_from_args(args):
     # "auto": prompt lookup first and a named model's paired draft model (with its confidence
     # cut-off), else prompt lookup.
     drafter, draft_p_min = resolve_drafter(args.drafter, args.model)
+    draft_vocab = args.draft_vocab
+    if args.drafter == "auto" and draft_vocab is None:
+        from ..engine import pair_draft_vocab
+
+        draft_vocab = pair_draft_vocab(args.model)  # the pair's measured setting, as `Engine.load` picks it
     if args.draft_tree is not None:
         from ..drafters.base import TreeShape
         from ..engine import check_tree_drafter
@@ -134,6 +145,7 @@ def settings_from_args(args):
         TreeShape.parse(args.draft_tree)  # a malformed shape: one line, before the drafter's name
         check_tree_drafter(drafter)
     return ServerSettings(model=args.model, served_model_name=name, drafter=drafter, draft_p_min=draft_p_min,
+                          draft_vocab=draft_vocab,
                           num_speculative_tokens=args.num_speculative_tokens, max_batch=args.max_batch,
                           max_queue=args.max_queue, max_model_len=args.max_model_len,
                           spec_token_budget=args.spec_token_budget, prefill_chunk=args.prefill_chunk,
