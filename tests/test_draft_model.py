@@ -16,6 +16,7 @@ from specdec.drafters.draft_model import check_same_vocabulary
 from specdec.engine import make_drafter
 from specdec.errors import InvalidRequestError
 from specdec.models import loader
+from specdec.models.kv_cache import resolve_kv_dtype
 from specdec.models.transformer import ModelConfig, RopeSpec, Transformer
 from specdec.sampling import make_generator, process_logits, sample
 
@@ -331,7 +332,9 @@ def exact_joint(target, params):
     for prefix_len in range(N_NEW):
         for prefix in itertools.product(range(SMALL_V), repeat=prefix_len):
             seq = PROMPT + list(prefix)
-            logits, _ = target(torch.tensor([seq]), torch.arange(len(seq))[None], target.new_cache(1, 16), last_n=1)
+            # The engine's cache element type (`kv_dtype` "auto"): the target's p as the engine computes it.
+            cache = target.new_cache(1, 16, dtype=resolve_kv_dtype("auto", torch.float32, "cpu"))
+            logits, _ = target(torch.tensor([seq]), torch.arange(len(seq))[None], cache, last_n=1)
             probs[prefix] = process_logits(logits[0, -1], params)
     out = {}
     for cell in itertools.product(range(SMALL_V), repeat=N_NEW):
@@ -420,3 +423,4 @@ def test_cli_generate_with_draft_model(tiny):
     out = json.loads(res.stdout)
     assert out["identical"]
     assert out["speculative"]["stats"]["accepted_tokens"] == out["speculative"]["stats"]["draft_tokens"]
+
