@@ -14,6 +14,9 @@ An option is `key=value` or a bare flag (`adaptive`). Examples::
     draft:k=4:lookup=ngram     prompt lookup first, the draft model where lookup finds nothing
     draft:k=4:vocab=16384      the draft scores only its 16384 most frequent ids (FR-Spec)
     draft:window=256           the draft reads only the prompt's first 32 and last 256 tokens
+    draft:vocab=32768:p_min=0.5:lookup=ngram
+                               what `--drafter auto` runs for the named Qwen pair (a draft: config's
+                               confidence cut-off p_min is 0, off, unless given)
     eagle:k=5                  the shipped EAGLE head (eagle:head=DIR for another one)
     eagle:k=8:lookup=ngram     prompt lookup first, the EAGLE head where lookup finds nothing
     plain:quantize=int8        the same target quantised (when Engine.load takes `quantize`)
