@@ -10,19 +10,14 @@ first token where free-running greedy decoding with float16 leaves the float32 t
 
 import argparse
 
+import fidelity  # this folder's script: run as `python scripts/kv_fidelity.py`, its folder is on the path
 import torch
 
 from specdec.engine import Engine
 from specdec.errors import InvalidRequestError
 
-# Our own prompts, not Spec-Bench's.
-PROMPTS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Explain the difference between a list and a tuple in Python.",
-    "Write a C function that reverses a singly linked list.",
-    "What is a race condition? Give a short example.",
-    "Write a SQL query that returns the five customers with the highest total order amount.",
-    "How do I read a CSV file with pandas and compute the mean of one column?",
+# fidelity.py's chat questions (our own, not Spec-Bench's) and two more.
+PROMPTS = fidelity.PROMPTS + [
     "Summarise the causes of the French Revolution in a few sentences.",
     "Give three tips for writing clear commit messages.",
 ]

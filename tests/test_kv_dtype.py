@@ -14,15 +14,12 @@ from specdec.models.kv_cache import resolve_kv_dtype
 from specdec.scheduler import BatchScheduler, Request
 from specdec.settings import DecodingSettings
 
-from helpers import make_tiny_hf
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    folder, _ = make_tiny_hf(tmp_path_factory.mktemp("kv"), "gemma3")
-    model, _ = loader.load(folder, torch.float32, "cpu")
+def target(tiny_folder):
+    model, _ = loader.load(tiny_folder, torch.float32, "cpu")
     return model
 
 

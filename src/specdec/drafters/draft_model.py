@@ -344,18 +344,9 @@ class DraftModelDrafter(DrafterBase):
         if self._cache is None:
             self.begin(list(context))
         view = self._view(context)
-        keep = min(common_prefix_length(self._tokens, view), len(view) - 1)
-        self._cache.truncate(keep)
-        del self._tokens[keep:]
-        new = view[keep:-1]
-        if not new:
-            return
-        self._ensure_room(len(new))
-        vocab = self.model.config.vocab_size
-        ids = torch.tensor([[t if t < vocab else 0 for t in new]], device=self.device)  # [1, T]
-        positions = torch.arange(keep, keep + len(new), device=self.device)[None]  # [1, T]
-        self.model(ids, positions, self._cache, last_n=0)
-        self._tokens.extend(new)
+        keep = self._rewind(view)
+        if keep < len(view) - 1:
+            self._run(view[keep:-1], keep, last_n=0)
 
     def _view(self, context: Sequence[int]) -> list[int]:
         """What the draft reads of `context`: all of it, or with a prompt window the prompt's first
@@ -394,22 +385,21 @@ class DraftModelDrafter(DrafterBase):
         """q over the scored columns [columns] -> over the target's vocabulary [target_vocab], 0 elsewhere."""
         if self.vocab_ids is None and q.shape[-1] == self.target_vocab_size:
             return q
-        full = q.new_zeros(self.target_vocab_size)
-        if self.vocab_ids is None:
-            full[: q.shape[-1]] = q
-        else:
-            full[self.vocab_ids] = q
-        return full
+        return self._widen(q, 0.0)
 
     def _target_logits(self, scores: Tensor) -> Tensor:
         """The scores [columns] as logits over the target's vocabulary [target_vocab], -inf for ids
         the draft does not score: what the draft's distribution is over the target's ids (tests
         and introspection; drafting reads the scores themselves)."""
-        full = scores.new_full((self.target_vocab_size,), -math.inf)
+        return self._widen(scores, -math.inf)
+
+    def _widen(self, values: Tensor, fill: float) -> Tensor:
+        """values over the scored columns [columns] at their target ids in [target_vocab], `fill` elsewhere."""
+        full = values.new_full((self.target_vocab_size,), fill)
         if self.vocab_ids is None:
-            full[: scores.shape[-1]] = scores
+            full[: values.shape[-1]] = values
         else:
-            full[self.vocab_ids] = scores
+            full[self.vocab_ids] = values
         return full
 
     def _keeps(self, p: float) -> bool:
@@ -450,16 +440,31 @@ class DraftModelDrafter(DrafterBase):
     def _sync(self, context: Sequence[int]) -> Tensor:
         """Make the cache hold context[:-1] + the last token's keys; return the draft's scores for
         the next token (`_scores`)."""
+        keep = self._rewind(context)
+        return self._forward(list(context[keep:]), keep)
+
+    def _rewind(self, context: Sequence[int]) -> int:
+        """Keep the cache's common prefix with `context`, but at most len(context) - 1 tokens (the
+        last one is forwarded for the next logits); return how many it keeps."""
         keep = min(common_prefix_length(self._tokens, context), len(context) - 1)
         self._cache.truncate(keep)
         del self._tokens[keep:]
-        return self._forward(list(context[keep:]), keep)
+        return keep
 
     def _forward(self, new: list[int], start: int) -> Tensor:
         """Forward `new` at positions start.. (start == cache length); the scores after the last one.
 
         Returns the draft's scores [columns] float32 (`_scores`): what `_choose` reads.
         """
+        if self._sub_head is None:
+            logits, _ = self._run(new, start, last_n=1, need_hidden=False)
+            return logits[0, -1, : self.target_vocab_size]
+        _, hidden = self._run(new, start, last_n=0)  # no full head
+        return self._scores(hidden[0, -1:])[0]
+
+    def _run(self, new: list[int], start: int, last_n: int, need_hidden: bool = True):
+        """The draft model's forward of `new` at positions start.. (start == cache length) into the
+        cache: its (logits, hidden) for `last_n` (0: no head)."""
         assert start == len(self._tokens) == self._cache.length()
         self._ensure_room(len(new))
         vocab = self.model.config.vocab_size
@@ -467,13 +472,9 @@ class DraftModelDrafter(DrafterBase):
         # only make the draft worse, never the output wrong (verification decides).
         ids = torch.tensor([[t if t < vocab else 0 for t in new]], device=self.device)  # [1, T]
         positions = torch.arange(start, start + len(new), device=self.device)[None]  # [1, T]
-        if self._sub_head is None:
-            logits, _ = self.model(ids, positions, self._cache, last_n=1, need_hidden=False)
-            self._tokens.extend(new)
-            return logits[0, -1, : self.target_vocab_size]
-        _, hidden = self.model(ids, positions, self._cache, last_n=0)  # no full head
+        out = self.model(ids, positions, self._cache, last_n=last_n, need_hidden=need_hidden)
         self._tokens.extend(new)
-        return self._scores(hidden[0, -1:])[0]
+        return out
 
     @torch.inference_mode()
     def _scores(self, hidden: Tensor) -> Tensor:

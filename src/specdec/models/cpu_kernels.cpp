@@ -1663,19 +1663,10 @@ inline void exp_shifted(const float* x, float m, int64_t n, float* out) {
   for (; j < n; ++j) out[j] = exp_lane(x[j] - m);
 }
 
-// acc[0..d) += p * v[0..d), elementwise in one fused multiply-add each.
-inline void axpy(float p, const float* v, float* acc, int64_t d) {
-  int64_t i = 0;
-#if defined(__AVX2__)
-  const __m256 pv = _mm256_set1_ps(p);
-  for (; i + 8 <= d; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
-#endif
-  for (; i < d; ++i) acc[i] = std::fma(p, v[i], acc[i]);
-}
-
-// axpy over a cache row of either element type.
+// acc[0..d) += p * v[0..d), elementwise in one fused multiply-add each; v a float row or a
+// float16 cache row (widened exactly).
 template <typename VT>
-inline void axpy_row(float p, const VT* v, float* acc, int64_t d) {
+inline void axpy(float p, const VT* v, float* acc, int64_t d) {
   int64_t i = 0;
 #if defined(__AVX2__)
   const __m256 pv = _mm256_set1_ps(p);
@@ -1716,7 +1707,7 @@ inline void weighted_sum_heads(const float* const* p, const int64_t* slots, int6
   if (i < d)
     for (int h = 0; h < H; ++h) {
       std::fill(acc[h] + i, acc[h] + d, 0.0f);
-      for (int64_t j = 0; j < n; ++j) axpy_row(p[h][j], v + slots[j] * stride + i, acc[h] + i, d - i);
+      for (int64_t j = 0; j < n; ++j) axpy(p[h][j], v + slots[j] * stride + i, acc[h] + i, d - i);
     }
 }
 

@@ -575,14 +575,14 @@ def gather_small_tables(model: nn.Module) -> int:
     small = [m for m in model.modules() if isinstance(m, Int8Linear) and m._q is not None and m._q.device.type == "cpu"
              and m._q.is_contiguous() and m._q.numel() * m._q.element_size() < _HUGE_TABLE_BYTES
              and m._q.untyped_storage().data_ptr() not in shared]
-    sizes = [-(-m._q.numel() * m._q.element_size() // _TABLE_ALIGN) * _TABLE_ALIGN for m in small]
     if len(small) < 2:
         return 0
-    shared = kernels.table_empty([sum(sizes)], torch.uint8)
+    sizes = [-(-m._q.numel() * m._q.element_size() // _TABLE_ALIGN) * _TABLE_ALIGN for m in small]
+    table = kernels.table_empty([sum(sizes)], torch.uint8)
     offset = 0
     for module, size in zip(small, sizes):
         q = module._q
-        view = shared[offset : offset + q.numel() * q.element_size()].view(q.dtype).view(q.shape)
+        view = table[offset : offset + q.numel() * q.element_size()].view(q.dtype).view(q.shape)
         view.copy_(q)
         module._q = view
         offset += size
