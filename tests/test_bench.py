@@ -211,6 +211,9 @@ def test_summaries_compute_speedup_alpha_bound_and_identity():
     assert s.draft_share == pytest.approx(6 / 8) and s.draft_length == 2.0
     assert s.forwards_per_token == pytest.approx(10 / 16)
     assert (s.identical, s.compared, s.first_divergence) == (1, 2, 5)
+    # Prefill taken out: 16 tokens in 2 x 0.2 s against 16 in 2 x 0.7 s; prefill 0.6 of 1.0 s.
+    assert s.decode_speedup == pytest.approx(3.5) and s.prefill_share == pytest.approx(0.6)
+    assert got[("plain", "all")].prefill_share == pytest.approx(0.3)
     # Plain step = 0.7 s / 7 steps = 0.1 s; drafting 0.01 s per 4 steps -> kc = 0.025, c = 0.0125.
     assert s.cost_ratio == pytest.approx(0.0125)
     assert s.step_cost == pytest.approx((0.2 / 4) / 0.1)
@@ -255,6 +258,8 @@ def test_markdown_shows_the_interval_of_the_speedup():
     interval = f"{s.speedup:.2f}x [{s.speedup_interval[0]:.2f}, {s.speedup_interval[1]:.2f}]"
     assert f"| `ngram` | " in text and interval in text  # the table and the headline
     assert text.count(interval) == 2
+    # Decode speedup and prefill share are columns of the table.
+    assert f"| {s.decode_speedup:.2f}x | {s.prefill_share:.2f} |" in text
     plain_row = next(x for x in summaries if x.config == "plain" and x.group == "all")
     assert plain_row.speedup_interval is None  # the baseline against itself
 

@@ -17,6 +17,13 @@ Definitions (the Markdown and the JSON use the same ones):
 - mean accepted length: 1 + accepted tokens per step that drafted (vLLM's convention).
 - acceptance by position i: accepted at draft index i / drafted at index i.
 - forwards/token: target forwards (prefill included) per new token.
+- decode speedup: the speedup with each run's prefill (the target's forward over the prompt,
+  the same work in every configuration of a target) taken out of its time: new tokens / (wall -
+  prefill), over the baseline's. It shows what speculation does to the part it can change; where
+  prompts are long and the processor slow, prefill is a large share of plain decoding's time
+  (`prefill share`: the baseline's summed prefill over its summed wall time) and the end-to-end
+  speedup stays below the decode speedup by Amdahl's law. Needs wall-clock timing (not `--clock
+  cpu`) and the engine's prefill time (not the peers').
 - step cost: measured time of one speculative step (drafting + a verify forward of up to k + 1
   tokens + bookkeeping) over the time of one plain step. The bound assumes a verify forward costs
   one plain step; measured speedup ~ (tokens per step) / (step cost), so this column shows how much
@@ -87,6 +94,8 @@ class Summary:
     tokens_per_s: float
     speedup: float | None = None
     speedup_interval: tuple[float, float] | None = None  # 95% bootstrap over prompts
+    decode_speedup: float | None = None  # the speedup with prefill taken out (module doc)
+    prefill_share: float | None = None  # of this configuration's wall time
     bound: float | None = None
     bound_always_drafting: float | None = None
     mean_accepted_length: float | None = None
@@ -141,6 +150,15 @@ def _totals(runs: list[Run]) -> tuple[int, float]:
     return sum(r.new_tokens for r in runs), sum(r.wall_s for r in runs)
 
 
+def _decode_rate(runs: list[Run]) -> float | None:
+    """New tokens per second of decoding after the prefill, summed over the runs; None where a
+    run has no engine prefill time."""
+    if not runs or any(r.prefill_s is None for r in runs):
+        return None
+    decode = sum(r.wall_s - r.prefill_s for r in runs)
+    return sum(r.new_tokens for r in runs) / decode if decode > 0 else None
+
+
 def _plain_step_s(runs: list[Run]) -> float | None:
     """Seconds per decode step of plain decoding: (wall - prefill) / (forwards - 1), summed."""
     steps = sum((r.target_forwards or 1) - 1 for r in runs)
@@ -176,6 +194,11 @@ def _summary(c, group: str, runs: list[Run], base_runs: list[Run], base_label: s
         s.speedup = s.tokens_per_s / (btok / bwall)
         if base_label != c.label:
             s.speedup_interval = speedup_interval(runs, base_runs)
+        rate, base_rate = _decode_rate(runs), _decode_rate(base_runs)
+        if rate and base_rate:
+            s.decode_speedup = rate / base_rate
+    if runs and wall > 0 and all(r.prefill_s is not None for r in runs):
+        s.prefill_share = sum(r.prefill_s for r in runs) / wall
     if all(r.target_forwards is not None for r in runs) and tokens:
         s.forwards_per_token = sum(r.target_forwards for r in runs) / tokens
     peaks = [r.peak_memory for r in runs if r.peak_memory is not None]
@@ -313,8 +336,9 @@ def to_markdown(result: BenchResult, summaries: list[Summary], command: str | No
         "the whole generate call (prefill included); speedup: over "
         "plain decoding of the same target (dtype, quantisation) in the same run, peers over the default "
         "target's plain; [a, b]: its 95% bootstrap interval over the prompts (a run's figure depends on the "
-        "prompts drawn; the machine's drift is not in it); bound: Leviathan et al.'s expected speedup from "
-        "the measured α, k and c",
+        "prompts drawn; the machine's drift is not in it); decode speedup: the same with each run's prefill "
+        "taken out of its time (prefill share: the prefill's share of the configuration's time); bound: "
+        "Leviathan et al.'s expected speedup from the measured α, k and c",
     ]
     if result.interrupted:
         lines.append(f"- **{result.interrupted}**")
@@ -327,12 +351,13 @@ def to_markdown(result: BenchResult, summaries: list[Summary], command: str | No
         parts += [f"{r:.2f}x `{label}`" for label, r in head["vs_peers"].items()]
         lines += ["", f"**Fastest specdec configuration: `{head['best']}`** at {head['tokens_per_s']:.1f} tokens/s: "
                   + ", ".join(parts) + "."]
-    lines += ["", "| configuration | runs on | tokens/s | speedup | bound | mean acc. length | acc. rate | α | "
-              "k | c | step cost | forwards/token | identical to plain | peak memory |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    lines += ["", "| configuration | runs on | tokens/s | speedup | decode speedup | prefill share | bound | "
+              "mean acc. length | acc. rate | α | k | c | step cost | forwards/token | identical to plain | peak memory |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for s in (s for s in summaries if s.group == ALL):
         lines.append(
             f"| `{s.config}` | {s.target} | {s.tokens_per_s:.1f} | {_f(s.speedup, '.2f')}x{_interval(s.speedup_interval)} | "
+            f"{_f(s.decode_speedup, '.2f')}{'x' if s.decode_speedup is not None else ''} | {_f(s.prefill_share, '.2f')} | "
             f"{_f(s.bound, '.2f')}{'x' if s.bound is not None else ''} | {_f(s.mean_accepted_length, '.2f')} | "
             f"{_f(s.acceptance_rate, '.2f')} | {_f(s.alpha, '.2f')} | {_f(s.draft_length, '.1f')} | "
             f"{_f(s.cost_ratio, '.3f')} | {_f(s.step_cost, '.2f')} | {_f(s.forwards_per_token, '.2f')} | "
