@@ -79,6 +79,21 @@ def test_chat_options_are_checked_before_loading(args, needle, capsys):
     assert needle in err.strip().splitlines()[-1] and "loading the model" not in err
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--kv-dtype", "x"], "specdec generate: error: argument --kv-dtype: invalid choice: 'x'"),
+    (["generate", "--max-tokens", "many"], "argument --max-tokens: invalid int value: 'many'"),
+    (["serve", "--port"], "specdec serve: error: argument --port: expected one argument"),
+    (["nonsense"], "specdec: error: argument command: invalid choice: 'nonsense'"),
+    ([], "the following arguments are required: command"),
+])
+def test_argument_errors_are_one_line(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "--help`" in err and "usage:" not in err
+
+
 def test_generate_message_renders_the_chat_template(chat_folder, capsys):
     args = ["generate", "--model", str(chat_folder), "--dtype", "float32", "--max-tokens", "6", "--json",
             "--drafter", "none"]

@@ -13,8 +13,17 @@ MARK_PLAIN = {"accepted": ("[", "]"), "recovered": ("{", "}"), "bonus": ("<", ">
 MARK_COLOUR = {"accepted": ("\033[32m", "\033[0m"), "recovered": ("\033[31m", "\033[0m"), "bonus": ("\033[34m", "\033[0m")}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (the problem and where help is), exit status 2: the
+    usage block argparse prints first buries the one line that says what is wrong. Subcommands'
+    parsers are made of this class too (`add_subparsers` uses the parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
+    parser = _Parser(prog="specdec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a continuation of a prompt")
     gen.add_argument("--prompt", help="prompt text (with --chat: the user's message)")
