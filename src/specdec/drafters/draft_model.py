@@ -72,6 +72,11 @@ its output head (`int4_head`; the model's own head stays int8, as `quant.quantiz
 it): Qwen2.5-0.5B's 151,936 x 896 head is then 85 MB a token instead of 136. A draft's numbers only
 move its acceptance, never the output, so the head may be coarser than the target's would be.
 
+Cache elements (`draft_kv_dtype`). A quantised draft keeps its keys and values in float16 under
+the engine's default `kv_dtype`, as the target does: at a long context the draft's attention over
+its cache is most of what a position costs beyond its weights, and float16 halves the bytes it
+reads. A float draft keeps its own dtype (see `draft_kv_dtype` for why).
+
 Price. Each draft token costs a forward of the draft model, which a lookup drafter's does not.
 `measure_cost(target)` times a draft position as a chain pays it (a one-token forward through the
 drafting head, the confidence and the choice) against a one-token step of the target, and keeps the
