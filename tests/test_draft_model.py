@@ -89,16 +89,35 @@ def test_satisfies_protocol(tiny):
 # -- the draft cache stays in step ---------------------------------------------------------------------
 
 
+_quantised: dict = {}
+
+
+def quantised_noisy(tiny, family, mode):
+    """The family's noisy draft on `mode` products ("none": itself), made once per module."""
+    if mode == "none":
+        return tiny[family]["noisy"]
+    from specdec.models.quant import cpu_int8_available, quantize_model
+
+    if not cpu_int8_available():
+        pytest.skip("no int8 backend")
+    if (family, mode) not in _quantised:
+        _quantised[family, mode] = quantize_model(noisy_copy(tiny[family]["target"], 0.5, 3), mode)
+    return _quantised[family, mode]
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("greedy", [True, False])
-def test_cache_in_step_and_equal_to_fresh(tiny, family, greedy):
+@pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
+def test_cache_in_step_and_equal_to_fresh(tiny, family, greedy, quantize):
     """Drive propose like the engine (accept a prefix, append one token) and check after each step
     that the cache holds exactly context + forwarded drafts, and that proposals equal those of a
-    fresh drafter that prefills the whole context (the incremental cache changes nothing)."""
-    draft = tiny[family]["noisy"]
+    fresh drafter that prefills the whole context (the incremental cache changes nothing). A
+    quantised draft does so on its float16 cache (`draft_kv_dtype`), a float one on float32."""
+    draft = quantised_noisy(tiny, family, quantize)
     sampling = SamplingParams() if greedy else SamplingParams(temperature=0.8, top_k=20, seed=0)
     gen_a, gen_b = torch.Generator(), torch.Generator()
     d = DraftModelDrafter(draft, V)
+    assert d.kv_dtype == (torch.float32 if quantize == "none" else torch.float16)
     rng = random.Random(5)
     context = prompts(1, 6)[0]
     d.begin(list(context), sampling, gen_a)
@@ -107,6 +126,7 @@ def test_cache_in_step_and_equal_to_fresh(tiny, family, greedy):
         gen_a.manual_seed(step)
         prop = d.propose(context, k)
         assert len(prop.tokens) == k
+        assert d._cache.keys[0].dtype == d.kv_dtype
         # The last draft token is not forwarded (no one needs its logits yet).
         assert d.cached_tokens == context + prop.tokens[:-1]
         assert d.cache_length == len(context) + k - 1
@@ -128,8 +148,9 @@ def test_cache_in_step_and_equal_to_fresh(tiny, family, greedy):
     assert d.cache_length == 0
 
 
-def test_cache_grows_past_initial_room(tiny):
-    draft = tiny["llama"]["noisy"]
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_cache_grows_past_initial_room(tiny, quantize):
+    draft = quantised_noisy(tiny, "llama", quantize)
     d = DraftModelDrafter(draft, V)
     context = prompts(1, 4)[0]
     d.begin(context)
@@ -138,6 +159,7 @@ def test_cache_grows_past_initial_room(tiny):
     assert got == DraftModelDrafter(draft, V).propose(long[:100], 3).tokens
     got = d.propose(long, 3).tokens  # 304 + 2 slots > 4 + 256: the cache doubles, keeping its content
     assert d.cache_length == len(long) + 2
+    assert d._cache.keys[0].dtype == d.kv_dtype  # the grown cache keeps the element type
     assert got == DraftModelDrafter(draft, V).propose(long, 3).tokens
 
 

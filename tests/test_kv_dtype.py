@@ -105,3 +105,35 @@ def test_batched_rows_equal_alone_and_speculative_equals_plain(target, kv_dtype)
     sched.shutdown()
     assert outs == alone
     assert sched.counters.step_rows / sched.counters.steps > 2  # the rows really shared steps
+
+
+def test_a_draft_models_cache_follows_the_setting_where_it_is_quantised(tiny_folder):
+    # "auto": float16 for a quantised draft (its rows' keys do not depend on the rows beside them),
+    # the model's own float32 for a float one; a setting given is followed by both caches.
+    from specdec.models.quant import cpu_int8_available
+    from specdec.scheduler import serving_drafters
+
+    if not cpu_int8_available():
+        pytest.skip("no int8 backend")
+    draft = str(tiny_folder)
+    cases = [("int8", "auto", torch.float16), ("int8", "float32", torch.float32),
+             ("none", "auto", torch.float32), ("none", "float16", torch.float16)]
+    for quantize, kv_dtype, want in cases:
+        engine = Engine.load(str(tiny_folder), drafter=draft, quantize=quantize, dtype="float32", kv_dtype=kv_dtype)
+        assert engine.drafter.kv_dtype == want, (quantize, kv_dtype)
+        engine.drafter.begin([5, 6, 7])
+        assert engine.drafter._cache.values[-1].dtype == want
+        if quantize == "int8":
+            drafters, name = serving_drafters(f"ngram+{draft}", engine.model, engine.tokenizer, kv_dtype=kv_dtype)
+            drafters["draft_model"].reserve(2, 16)  # the server's pool of rows
+            assert drafters["draft_model"]._pool.cache.keys[0].dtype == want
+    # greedy speculative decoding with the quantised draft on float16 equals plain decoding
+    spec = Engine.load(str(tiny_folder), drafter=draft, quantize="int8", num_speculative_tokens=4,
+                       draft_length="fixed")
+    plain = Engine(spec.model, spec.tokenizer)
+    drafted = 0
+    for p in prompts(4):
+        out = spec.generate(prompt_ids=p, max_new_tokens=16)
+        assert out.token_ids == plain.generate(prompt_ids=p, max_new_tokens=16).token_ids
+        drafted += out.stats.draft_tokens
+    assert drafted > 0

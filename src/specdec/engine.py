@@ -108,20 +108,22 @@ def draft_model_path(name: str | None) -> Path | None:
 
 def make_drafter(name: str, target: Transformer | None = None, target_tokenizer: Tokenizer | None = None,
                  draft_p_min: float | None = None, progress=None, draft_quantize: str | None = None,
-                 draft_vocab: int | None = None) -> Drafter | None:
+                 draft_vocab: int | None = None, kv_dtype: str = "auto") -> Drafter | None:
     """none | ngram | suffix, or a draft model path: loaded on `target`'s device in its dtype.
 
     `draft_p_min` is the draft model's confidence cut-off (None = its default, 0 = off).
     `draft_quantize` is the draft model's quantisation: None or "auto" = the target's (an int8
     target gets an int8 draft, whose every draft token then costs int8 products too).
     `draft_vocab` N > 0: the draft model scores only its N most frequent ids (FR-Spec; see
-    `drafters/draft_model.py`), still lossless.
+    `drafters/draft_model.py`), still lossless. `kv_dtype`: the engine's cache setting, which a
+    draft model's cache follows (`draft_model.draft_kv_dtype`).
     """
     from .drafters.draft_model import DEFAULT_DRAFT_P_MIN, DraftModelDrafter
 
     if (parts := split_name(name)) is not None:
         draft_model_path(name)  # the learned part must be one
-        learned = make_drafter(parts[1], target, target_tokenizer, draft_p_min, progress, draft_quantize, draft_vocab)
+        learned = make_drafter(parts[1], target, target_tokenizer, draft_p_min, progress, draft_quantize, draft_vocab,
+                               kv_dtype)
         return lookup_first(make_drafter(parts[0]), learned)
     if is_eagle_name(name):
         if target is None:
@@ -143,7 +145,8 @@ def make_drafter(name: str, target: Transformer | None = None, target_tokenizer:
     p_min = DEFAULT_DRAFT_P_MIN if draft_p_min is None else draft_p_min
     drafter = DraftModelDrafter.load(path, target.config.vocab_size, weight.dtype, weight.device, draft_p_min=p_min,
                                      target_tokenizer=target_tokenizer, progress=progress,
-                                     quantize=draft_quantize_for(draft_quantize, target), vocab=draft_vocab)
+                                     quantize=draft_quantize_for(draft_quantize, target), vocab=draft_vocab,
+                                     kv_dtype=kv_dtype)
     drafter.measure_cost(target)  # the policy's first price of a draft token, refined online
     return drafter
 
@@ -604,7 +607,7 @@ class Engine:
             model, _ = loader.load(folder, torch_dtype, device, progress, quantize)
         if draft_path:
             made = make_drafter(drafter, model, tokenizer, draft_p_min, progress, draft_quantize=draft_quantize,
-                                 draft_vocab=draft_vocab)
+                                 draft_vocab=draft_vocab, kv_dtype=settings.kv_dtype)
         return cls(model, tokenizer, drafter=made, screen_verify=screen_verify, settings=settings)
 
     @property

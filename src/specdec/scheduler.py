@@ -116,7 +116,7 @@ DEFAULT_PREFIX_CACHE_TOKENS = 16384  # the server's prefix store, in cached toke
 
 def serving_drafters(name: str = "none", target: Transformer | None = None, tokenizer: Tokenizer | None = None,
                      *, draft_p_min: float | None = None, progress=None,
-                     draft_vocab: int | None = None) -> tuple[dict[str, Drafter | None], str]:
+                     draft_vocab: int | None = None, kv_dtype: str = "auto") -> tuple[dict[str, Drafter | None], str]:
     """The drafters a server loads at start, by the names requests may choose them with, and the
     name of the default one (`name`, as `--drafter` gives it).
 
@@ -133,7 +133,8 @@ def serving_drafters(name: str = "none", target: Transformer | None = None, toke
     if name in drafters:
         return drafters, name
     parts = split_name(name)
-    learned = make_drafter(parts[1] if parts else name, target, tokenizer, draft_p_min, progress, draft_vocab=draft_vocab)
+    learned = make_drafter(parts[1] if parts else name, target, tokenizer, draft_p_min, progress,
+                           draft_vocab=draft_vocab, kv_dtype=kv_dtype)
     if learned is None:  # `ngram+none` and the like
         raise InvalidRequestError(f"unknown drafter {name!r}", "drafter")
     drafters[learned.name] = learned

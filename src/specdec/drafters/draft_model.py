@@ -72,6 +72,11 @@ its output head (`int4_head`; the model's own head stays int8, as `quant.quantiz
 it): Qwen2.5-0.5B's 151,936 x 896 head is then 85 MB a token instead of 136. A draft's numbers only
 move its acceptance, never the output, so the head may be coarser than the target's would be.
 
+Cache elements (`draft_kv_dtype`). A quantised draft keeps its keys and values in float16 under
+the engine's default `kv_dtype`, as the target does: at a long context the draft's attention over
+its cache is most of what a position costs beyond its weights, and float16 halves the bytes it
+reads. A float draft keeps its own dtype (see `draft_kv_dtype` for why).
+
 Price. Each draft token costs a forward of the draft model, which a lookup drafter's does not.
 `measure_cost(target)` times a draft position as a chain pays it (a one-token forward through the
 drafting head, the confidence and the choice) against a one-token step of the target, and keeps the
@@ -99,7 +104,7 @@ from torch import Tensor
 from specdec.drafters.base import (DrafterBase, DrafterNeeds, Proposal, check_k, common_prefix_length, draft_chain,
                                    draft_rows)
 from specdec.errors import InvalidRequestError
-from specdec.models.kv_cache import KVCache
+from specdec.models.kv_cache import KVCache, resolve_kv_dtype
 from specdec.models.quant import quantize_of
 from specdec.models.transformer import Transformer, soft_cap
 from specdec.sampling import SamplingParams, greedy_tokens, make_generator, process_logits, sample
@@ -147,6 +152,7 @@ class DraftModelDrafter(DrafterBase):
         vocab: int | None = None,
         int4_head: bool | None = None,
         window: int | None = None,
+        kv_dtype: str = "auto",
     ):
         check_same_vocabulary(target_vocab_size, model.config.vocab_size, target_tokenizer, tokenizer)
         self.model = model
@@ -164,6 +170,7 @@ class DraftModelDrafter(DrafterBase):
             int4_head = quantize_of(model) == "int4"
         if vocab or int4_head:
             self._sub_head = _rows_of(model.lm_head, self.vocab_ids, int4_head)
+        self.kv_dtype = draft_kv_dtype(model, kv_dtype)  # the element type of every cache it makes
         self._sampling = SamplingParams()
         self._generator: torch.Generator | None = None
         self._cache: KVCache | None = None
@@ -189,17 +196,20 @@ class DraftModelDrafter(DrafterBase):
         progress=None,
         quantize: str = "none",
         vocab: int | None = None,
+        kv_dtype: str = "auto",
     ) -> "DraftModelDrafter":
         """Load a draft model from an HF folder or a .gguf file (converted once, as for targets).
 
         `quantize="int8"` puts its linears and output head on int8 (`quant.quantize_model`), the
         target's fast path; a draft token then costs a fraction of a target token rather than more.
+        `kv_dtype` is the engine's cache setting, which the draft's cache follows (`draft_kv_dtype`).
         """
         from specdec.models import loader
         from specdec.tokenizer import Tokenizer
 
         model, folder = loader.load(source, dtype, device, progress, quantize=quantize)
-        return cls(model, target_vocab_size, draft_p_min, Tokenizer.from_folder(folder), target_tokenizer, vocab)
+        return cls(model, target_vocab_size, draft_p_min, Tokenizer.from_folder(folder), target_tokenizer, vocab,
+                   kv_dtype=kv_dtype)
 
     def measure_cost(self, target: Transformer, context: int = 64, repeats: int = 5) -> float:
         """Time one draft token and one one-token step of `target` after a `context`-token prompt,
@@ -272,7 +282,7 @@ class DraftModelDrafter(DrafterBase):
         so that the rows of a batch draft in one forward per draft position (`propose_batch`)."""
         pool = self._pool
         if pool is None or pool.cache.batch < rows or pool.cache.capacity < length:
-            self._pool = DraftPool(self.model.new_cache(rows, length))
+            self._pool = DraftPool(self.model.new_cache(rows, length, dtype=self.kv_dtype))
 
     def batch_key(self) -> object | None:
         """Rows whose drafters return the same key propose together (`propose_batch`)."""
@@ -298,7 +308,7 @@ class DraftModelDrafter(DrafterBase):
             self._cache = self._pool.cache.rows(self._slot + 1, self._slot)
             self._cache.truncate(0)
         else:
-            self._cache = self.model.new_cache(1, len(prompt_ids) + _INITIAL_ROOM)
+            self._cache = self.model.new_cache(1, len(prompt_ids) + _INITIAL_ROOM, dtype=self.kv_dtype)
         self._tokens = []
         self._cut = 0
         if self.window is not None and len(prompt_ids) > PROMPT_SINK + self.window:
@@ -494,7 +504,7 @@ class DraftModelDrafter(DrafterBase):
         need = cache.length() + new_tokens
         if need <= cache.capacity or self._slot is not None:  # a pool row is sized for any request
             return
-        grown = self.model.new_cache(1, max(need, 2 * cache.capacity))
+        grown = self.model.new_cache(1, max(need, 2 * cache.capacity), dtype=cache.keys[0].dtype)
         n = cache.length()
         for src, dst in ((cache.keys, grown.keys), (cache.values, grown.values)):
             for layer_src, layer_dst in zip(src, dst):
@@ -593,6 +603,20 @@ def propose_batch(drafters: list[DraftModelDrafter], contexts: list[list[int]], 
             drafters[i]._stop.start()
     return draft_rows(drafters, logits, ks, lambda feed: forward({i: [t] for i, t in feed.items()}),
                       lambda i: drafters[i]._stop is None or drafters[i]._stop.more())
+
+
+def draft_kv_dtype(model: Transformer, kv_dtype: str = "auto") -> torch.dtype:
+    """The draft cache's element type under the engine's `kv_dtype` setting (`resolve_kv_dtype`):
+    as set, where it is set; under "auto", the target's rule (float16 under a float32 model on the
+    CPU) for a quantised draft only. Its products put each row on its own 8-bit grid, so a row's
+    keys are the same bits whether it is forwarded alone (a draft step) or with a few others (a
+    catch-up): its cache stays what a fresh read of the context makes. A float draft's keys differ
+    in their last bits between the two, which float16 rounding can widen into a whole float16 step,
+    enough to flip a near-tie: it keeps its own dtype unless told otherwise."""
+    p = model.embed_tokens.weight
+    if kv_dtype == "auto" and quantize_of(model) == "none":
+        return p.dtype
+    return resolve_kv_dtype(kv_dtype, p.dtype, p.device)
 
 
 def special_ids(model: Transformer, tokenizer=None) -> list[int]:

@@ -151,7 +151,7 @@ def create_app(settings: ServerSettings,
             model, tokenizer = load(settings)
             # Every drafter a request may name is loaded now, once (a draft model, an EAGLE head).
             drafters, default = serving_drafters(settings.drafter, model, tokenizer, draft_p_min=settings.draft_p_min,
-                                                 draft_vocab=settings.draft_vocab)
+                                                 draft_vocab=settings.draft_vocab, kv_dtype=settings.kv_dtype)
             trees = {}
             if settings.draft_tree:
                 shape = TreeShape.parse(settings.draft_tree)
