@@ -55,8 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                           "int4 where most layer weights are 4-bit (Q4_K: int4 keeps their grid, as faithful "
                           "to llama.cpp as int8 and faster), else int8; none for float weights")
     gen.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "float16"],
-                     help="the target's KV cache elements: auto (default) = float16 under a float32 model on the "
-                          "CPU, else the model's dtype; float32 keeps the model's own numbers")
+                     help="the KV cache elements of the target and of a quantised draft model: auto (default) = "
+                          "float16 under a float32 model on the CPU, else the model's dtype (a float draft keeps "
+                          "its own); float32 keeps the models' own numbers")
     gen.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                      help="the draft model's quantisation (auto, the default: the target's). A 4-bit draft also "
                           "scores with a 4-bit copy of its head; a draft's numbers only move its acceptance")

@@ -65,7 +65,7 @@ def add_arguments(parser) -> None:
                              "int8) | float32 | bfloat16 | float16")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "float16"],
-                        help="the KV cache's elements: auto (default) = float16 under a float32 model on the CPU "
+                        help="the KV cache's elements (the target's and a quantised draft model's): auto (default) = float16 under a float32 model on the CPU "
                              "(half the bytes a step reads; float16 keys and values move the numbers slightly), "
                              "else the model's dtype; float32 keeps the model's own numbers")
     parser.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
