@@ -235,3 +235,26 @@ def test_bad_quantize_values():
         Engine.load("default", quantize="int3")
     with pytest.raises(ValueError):
         quantize_model(torch.nn.Linear(2, 2), "int3")
+
+
+def test_tables_between_1_and_2_mib_that_hold_no_whole_huge_page_join_the_shared_table():
+    # Qwen2.5 1.5B's 4-bit output projection (1536 x 1536: 1,474,560 bytes) is not rounded up to a
+    # 2 MiB page by `table_empty` (that would add more than an eighth), so alone it lies on 4 KiB
+    # pages: it joins the shared table. Its fused q/k/v projection (2048 x 1536: 1,966,080 bytes) is
+    # rounded up and keeps its own table. The products are the same bits either way.
+    from specdec.models import quant
+
+    if cpu_kernels.load() is None:
+        pytest.skip("int4 needs the compiled CPU kernels")
+    assert not quant._alone_on_huge_pages(1_474_560) and quant._alone_on_huge_pages(1_966_080)
+    assert not quant._alone_on_huge_pages((1 << 20) - 1) and quant._alone_on_huge_pages(2 << 20)
+    g = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(*(Int4Linear(torch.randn(n, 1536, generator=g) * 0.05) for n in (1536, 2048, 1536)))
+    before = [m._q for m in model]
+    x = torch.randn(5, 1536, generator=g)
+    expected = [m(x) for m in model]
+    assert quant.gather_small_tables(model) == 2
+    o1, qkv, o2 = (m._q for m in model)
+    assert o1.untyped_storage().data_ptr() == o2.untyped_storage().data_ptr() != before[0].untyped_storage().data_ptr()
+    assert qkv is before[1]
+    assert all(torch.equal(m(x), e) for m, e in zip(model, expected))

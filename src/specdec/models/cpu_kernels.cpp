@@ -1038,8 +1038,14 @@ inline float int4_input_row(const float* row, int64_t k, int64_t kp, int8_t* v, 
   return s;
 }
 
-// The rows of x on the int8 grid: n rows of kp inputs (64-byte aligned, read as int32 words of 4),
-// their group sums [n][groups] (as float) and scales.
+// The rows of x on the int8 grid (64-byte aligned, read as int32 words of 4), their group sums (as
+// float) and scales. Row-major for the scalar path (`pass_rows` 0: row r's inputs at v + r * kp, its
+// sums at sums + r * groups); for the vector kernel, in its passes of rows (sizes as `int4_passes`
+// splits them): the pass of rows m0 .. m0 + size lies at v + m0 * kp as [groups][size][32] and its
+// sums at sums + m0 * groups as [groups][size]. Why: a pass then reads its inputs as one stream
+// beside the weights' stream, not one stream a row; with rows of many inputs (an MLP's down
+// projection), read again for every block of weights, the streams a row kept the weights from
+// arriving in time.
 struct Int4Rows {
   std::vector<int8_t> storage;
   int8_t* v = nullptr;
@@ -1047,16 +1053,44 @@ struct Int4Rows {
   std::vector<float> s;
 };
 
-inline void int4_input(const at::Tensor& x, int64_t kp, Int4Rows& rows) {
+// How many passes n rows take at most `most` rows a pass; pass j of P then takes
+// (n - m0 + P - j - 1) / (P - j) rows, m0 the rows before it: near-equal sizes (9 -> 5 + 4).
+inline int64_t int4_passes(int64_t n, int64_t most) { return (n + most - 1) / most; }
+
+inline void int4_input(const at::Tensor& x, int64_t kp, Int4Rows& rows, int64_t pass_rows) {
   const int64_t k = x.size(-1), n = x.numel() / k, groups = kp / kInt4Group;
   rows.storage.resize(n * kp + 64);
   rows.v = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(rows.storage.data()) + 63) & ~uintptr_t{63});
   rows.sums.resize(n * groups);
   rows.s.resize(n);
   const float* xs = x.data_ptr<float>();
-  at::parallel_for(0, n, kParallelRows, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      rows.s[r] = int4_input_row(xs + r * k, k, kp, rows.v + r * kp, rows.sums.data() + r * groups);
+  if (pass_rows <= 0) {
+    at::parallel_for(0, n, kParallelRows, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        rows.s[r] = int4_input_row(xs + r * k, k, kp, rows.v + r * kp, rows.sums.data() + r * groups);
+    });
+    return;
+  }
+  const int64_t passes = int4_passes(n, pass_rows);
+  at::parallel_for(0, passes, 1, [&](int64_t j0, int64_t j1) {
+    std::vector<int8_t> row(kp + 64);
+    int8_t* v = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(row.data()) + 63) & ~uintptr_t{63});
+    std::vector<float> sums(groups);
+    int64_t m0 = 0;
+    for (int64_t j = 0; j < j0; ++j) m0 += (n - m0 + (passes - j) - 1) / (passes - j);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t size = (n - m0 + (passes - j) - 1) / (passes - j);
+      int8_t* pv = rows.v + m0 * kp;
+      float* ps = rows.sums.data() + m0 * groups;
+      for (int64_t i = 0; i < size; ++i) {
+        rows.s[m0 + i] = int4_input_row(xs + (m0 + i) * k, k, kp, v, sums.data());
+        for (int64_t g = 0; g < groups; ++g) {
+          std::memcpy(pv + (g * size + i) * kInt4Group, v + g * kInt4Group, kInt4Group);
+          ps[g * size + i] = sums[g];
+        }
+      }
+      m0 += size;
+    }
   });
 }
 
@@ -1096,10 +1130,11 @@ inline void int4_block_reference(const uint8_t* p, int64_t groups, const int8_t*
 #if defined(SPECDEC_VNNI)
 constexpr int64_t kInt4PassRows = 6;  // rows a pass: 3 accumulators each + 8 weight operands + 2 scales
 
-// out[m, 0..valid) (row stride ldo) for MT rows (grid rows at v, stride kp; group sums at xsum,
-// stride groups) against one 16-row block: the formula above, 16 outputs a register.
+// out[m, 0..valid) (row stride ldo) for one pass of MT rows (its grid rows at v as [groups][MT][32],
+// its group sums at xsum as [groups][MT], `Int4Rows`) against one 16-row block: the formula above,
+// 16 outputs a register.
 template <int MT>
-inline void int4_tile(const uint8_t* p, int64_t groups, const int8_t* v, int64_t kp, const float* xsum,
+inline void int4_tile(const uint8_t* p, int64_t groups, const int8_t* v, const float* xsum,
                       const float* s, const float* bias, float* out, int64_t ldo, int64_t valid, const uint8_t* ahead) {
   const __m512i nibble = _mm512_set1_epi8(15);
   __m512 a_total[MT], b_total[MT];
@@ -1116,8 +1151,8 @@ inline void int4_tile(const uint8_t* p, int64_t groups, const int8_t* v, int64_t
     const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256)));
     const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
     for (int m = 0; m < MT; ++m) {
-      // Words 8g .. 8g + 7 of the row: inputs 32g + 4j .. 32g + 4j + 3 (chunk u: words 2u, 2u + 1).
-      const int32_t* x = reinterpret_cast<const int32_t*>(v + m * kp + g * kInt4Group);
+      // The row's words 8g .. 8g + 7: inputs 32g + 4j .. 32g + 4j + 3 (chunk u: words 2u, 2u + 1).
+      const int32_t* x = reinterpret_cast<const int32_t*>(v + (g * MT + m) * kInt4Group);
       __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
       for (int u = 0; u < 4; ++u) {
         even = _mm512_dpbusd_epi32(even, w[2 * u], _mm512_set1_epi32(x[2 * u]));
@@ -1125,7 +1160,7 @@ inline void int4_tile(const uint8_t* p, int64_t groups, const int8_t* v, int64_t
       }
       const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
       a_total[m] = _mm512_fmadd_ps(a, sum, a_total[m]);
-      b_total[m] = _mm512_fmadd_ps(b, _mm512_set1_ps(xsum[m * groups + g]), b_total[m]);
+      b_total[m] = _mm512_fmadd_ps(b, _mm512_set1_ps(xsum[g * MT + m]), b_total[m]);
     }
   }
   const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
@@ -1156,7 +1191,11 @@ at::Tensor int4_product(at::Tensor x, const at::Tensor& q, const c10::optional<a
   auto out = empty_with_last(x, n_out);
   if (n == 0) return out;
   Int4Rows rows;
-  int4_input(x, kp, rows);
+#if defined(SPECDEC_VNNI)
+  int4_input(x, kp, rows, vector ? kInt4PassRows : 0);
+#else
+  int4_input(x, kp, rows, 0);
+#endif
   const uint8_t* qs = q.data_ptr<uint8_t>();
   float* os = out.data_ptr<float>();
   const int64_t block_bytes = groups * kInt4GroupBytes;
@@ -1169,7 +1208,7 @@ at::Tensor int4_product(at::Tensor x, const at::Tensor& q, const c10::optional<a
       if (vector) {
         // All rows in passes of near-equal size (9 -> 5 + 4): the block's bytes stay in the core's
         // caches for the later passes.
-        const int64_t passes = (n + kInt4PassRows - 1) / kInt4PassRows;
+        const int64_t passes = int4_passes(n, kInt4PassRows);
         const uint8_t* ahead = n >= kPrefetchRows && blk + 1 < q.size(0) / 16 ? p + block_bytes : nullptr;
         int64_t m = 0;
         for (int64_t pass = 0; pass < passes; ++pass, ahead = nullptr) {
@@ -1179,9 +1218,9 @@ at::Tensor int4_product(at::Tensor x, const at::Tensor& q, const c10::optional<a
           const float* sm = rows.s.data() + m;
           float* o = os + m * n_out + col;
           switch (size) {
-#define SPECDEC_CASE(S) case S: int4_tile<S>(p, groups, vm, kp, xm, sm, bcol, o, n_out, valid, ahead); break;
+#define SPECDEC_CASE(S) case S: int4_tile<S>(p, groups, vm, xm, sm, bcol, o, n_out, valid, ahead); break;
             SPECDEC_CASE(6) SPECDEC_CASE(5) SPECDEC_CASE(4) SPECDEC_CASE(3) SPECDEC_CASE(2)
-            default: int4_tile<1>(p, groups, vm, kp, xm, sm, bcol, o, n_out, valid, ahead); break;
+            default: int4_tile<1>(p, groups, vm, xm, sm, bcol, o, n_out, valid, ahead); break;
 #undef SPECDEC_CASE
           }
           m += size;

@@ -549,17 +549,29 @@ def quantize_model(model: nn.Module, mode: str, weights: dict | None = None) -> 
     return model
 
 
-# Tables from this size on get huge pages of their own (cpu_kernels.cpp, `kHugeTableBytes`).
+# Tables from this size on get a mapping of their own (cpu_kernels.cpp, `kHugeTableBytes`).
 _HUGE_TABLE_BYTES = 1 << 20
+_HUGE_PAGE = 2 << 20
+
+
+def _alone_on_huge_pages(nbytes: int) -> bool:
+    """Whether `table_empty` puts a table of this size on huge pages: from 1 MiB on, in a mapping
+    rounded up to whole 2 MiB pages where that adds at most an eighth. Below 2 MiB without that
+    rounding (Qwen2.5 1.5B's 4-bit output projections, 1.4 MiB) the mapping holds no whole huge page,
+    so the table would lie on 4 KiB pages."""
+    return nbytes >= _HUGE_PAGE or (nbytes >= _HUGE_TABLE_BYTES and (_HUGE_PAGE - nbytes) * 8 <= nbytes)
+
+
 _TABLE_ALIGN = 256  # bytes: each table of the shared one starts on a fresh run of cache lines
 
 
 def gather_small_tables(model: nn.Module) -> int:
-    """Move the weight tables (`_q` of the int8 and 4-bit linears) smaller than 1 MiB into one
-    shared table on huge pages; returns how many moved.
+    """Move the weight tables (`_q` of the int8 and 4-bit linears) that would not lie on huge pages
+    of their own (`_alone_on_huge_pages`: those under 1 MiB, and those under 2 MiB that are not
+    rounded up to a whole huge page) into one shared table on huge pages; returns how many moved.
 
-    Each table of 1 MiB or more gets huge pages of its own (`_table_empty`); a small one would be
-    rounded up to a whole 2 MiB page, so it stays on 4 KiB pages, and a model of narrow layers has
+    A small table is not rounded up to a whole 2 MiB page (that would waste most of it), so it stays
+    on 4 KiB pages, and a model of narrow layers has
     many (Qwen2.5-0.5B's q/k/v and output projections: ~1 MiB a layer, an eighth of its weights). Laid
     side by side in one table they stream on huge pages too (where they add up to 1 MiB or more). Only where the bytes lie changes: each
     module's `_q` becomes a view of the shared table with the same values. Done right after
@@ -573,7 +585,7 @@ def gather_small_tables(model: nn.Module) -> int:
     shared = {t.untyped_storage().data_ptr() for m in model.modules() if not isinstance(m, Int8Linear)
               for t in [*m.buffers(recurse=False), *vars(m).values()] if isinstance(t, Tensor)}
     small = [m for m in model.modules() if isinstance(m, Int8Linear) and m._q is not None and m._q.device.type == "cpu"
-             and m._q.is_contiguous() and m._q.numel() * m._q.element_size() < _HUGE_TABLE_BYTES
+             and m._q.is_contiguous() and not _alone_on_huge_pages(m._q.numel() * m._q.element_size())
              and m._q.untyped_storage().data_ptr() not in shared]
     if len(small) < 2:
         return 0
