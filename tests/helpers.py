@@ -44,6 +44,18 @@ def make_tiny_hf(tmp_path, family: str, seed: int = 0):
 TINY_VOCAB = 97  # make_tiny_hf's vocabulary
 
 
+def speculative_equals_plain(spec, plain, prompt_ids: list[list[int]], max_new_tokens: int) -> tuple[int, int]:
+    """Each prompt through `spec` (an Engine that drafts) and `plain` (one that does not): the
+    greedy tokens must be the same; returns (drafted, accepted) tokens over all prompts."""
+    drafted = accepted = 0
+    for ids in prompt_ids:
+        out = spec.generate(prompt_ids=ids, max_new_tokens=max_new_tokens)
+        assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=max_new_tokens).token_ids
+        drafted += out.stats.draft_tokens
+        accepted += out.stats.accepted_tokens
+    return drafted, accepted
+
+
 def random_prompts(n: int, length: int = 10, vocab: int = TINY_VOCAB, seed: int = 0) -> list[list[int]]:
     """n reproducible random prompts of token ids in [3, vocab) (0-2 are pad/bos/eos)."""
     return [torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed + s)).tolist()

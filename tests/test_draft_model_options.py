@@ -14,7 +14,7 @@ from specdec.models.quant import cpu_int8_available, quantize_model
 
 from test_draft_model import SMALL_V, noisy_copy, p_value, small_model
 
-from helpers import TINY_VOCAB as V, random_prompts as prompts
+from helpers import TINY_VOCAB as V, random_prompts as prompts, speculative_equals_plain
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -248,12 +248,7 @@ def test_an_int4_draft_scores_with_a_4_bit_head_and_stays_exact(llama, vocab):
     a, b = drafter._target_logits(drafter._sync(ids)), exact._target_logits(exact._sync(ids))
     torch.testing.assert_close(a[kept], b[kept], rtol=0, atol=0.1 * float(b[kept].abs().max()))
     engine = Engine(llama, None, drafter=drafter, num_speculative_tokens=4, draft_length="fixed")
-    plain = Engine(llama, None)
-    drafted = 0
-    for ids in prompts(3):
-        out = engine.generate(prompt_ids=ids, max_new_tokens=24)
-        assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=24).token_ids
-        drafted += out.stats.draft_tokens
+    drafted, _ = speculative_equals_plain(engine, Engine(llama, None), prompts(3), 24)
     assert drafted > 0
 
 

@@ -20,7 +20,7 @@ from specdec.models.transformer import ModelConfig, RopeSpec, Transformer
 from specdec.sampling import process_logits, sample
 from specdec.train import TrainConfig, train_head, unrolled_visibility
 
-from helpers import TINY_VOCAB as V, random_prompts as prompts
+from helpers import TINY_VOCAB as V, random_prompts as prompts, speculative_equals_plain
 
 import test_draft_model as tdm  # the enumeration + chi-square machinery for exact sampling
 
@@ -233,13 +233,7 @@ TINY_TRAIN = dict(num_seeds=24, gen_tokens=40, gen_batch=8, draft_vocab=40, inte
 
 
 def acceptance(engine, vocab):
-    drafted = accepted = 0
-    plain = Engine(engine.model, None)
-    for ids in prompts(4, 6, vocab):
-        out = engine.generate(prompt_ids=ids, max_new_tokens=40)
-        assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=40).token_ids
-        drafted += out.stats.draft_tokens
-        accepted += out.stats.accepted_tokens
+    drafted, accepted = speculative_equals_plain(engine, Engine(engine.model, None), prompts(4, 6, vocab), 40)
     return accepted / drafted
 
 

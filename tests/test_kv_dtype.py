@@ -14,6 +14,8 @@ from specdec.models.kv_cache import resolve_kv_dtype
 from specdec.scheduler import BatchScheduler, Request
 from specdec.settings import DecodingSettings
 
+from helpers import speculative_equals_plain
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -130,10 +132,5 @@ def test_a_draft_models_cache_follows_the_setting_where_it_is_quantised(tiny_fol
     # greedy speculative decoding with the quantised draft on float16 equals plain decoding
     spec = Engine.load(str(tiny_folder), drafter=draft, quantize="int8", num_speculative_tokens=4,
                        draft_length="fixed")
-    plain = Engine(spec.model, spec.tokenizer)
-    drafted = 0
-    for p in prompts(4):
-        out = spec.generate(prompt_ids=p, max_new_tokens=16)
-        assert out.token_ids == plain.generate(prompt_ids=p, max_new_tokens=16).token_ids
-        drafted += out.stats.draft_tokens
+    drafted, _ = speculative_equals_plain(spec, Engine(spec.model, spec.tokenizer), prompts(4), 16)
     assert drafted > 0

@@ -16,7 +16,7 @@ from specdec.models.transformer import RopeSpec
 from specdec.train import CHECKPOINT_FILE, DATA_FILE, DistillData, TrainConfig, pick_layers, \
     train_model
 
-from helpers import TINY_VOCAB as V, make_tiny_hf, random_prompts as prompts
+from helpers import TINY_VOCAB as V, make_tiny_hf, random_prompts as prompts, speculative_equals_plain
 from test_eagle import peaky_target  # 2 layers, vocabulary 48, structured greedy text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -113,13 +113,7 @@ def distill_kl(draft, target, data: DistillData) -> float:
 def acceptance(target, draft, vocab) -> float:
     engine = Engine(target, None, drafter=DraftModelDrafter(draft, vocab), num_speculative_tokens=4,
                     draft_length="fixed")
-    plain = Engine(target, None)
-    drafted = accepted = 0
-    for ids in prompts(4, 6, vocab):
-        out = engine.generate(prompt_ids=ids, max_new_tokens=40)
-        assert out.token_ids == plain.generate(prompt_ids=ids, max_new_tokens=40).token_ids
-        drafted += out.stats.draft_tokens
-        accepted += out.stats.accepted_tokens
+    drafted, accepted = speculative_equals_plain(engine, Engine(target, None), prompts(4, 6, vocab), 40)
     return accepted / drafted
 
 

@@ -260,8 +260,7 @@ class DraftModelDrafter(DrafterBase):
         start = time.process_time()
         self._choose(self._forward(list(context[-1:]), len(context) - 1))
         seconds = time.process_time() - start
-        self._cache.truncate(len(context) - 1)
-        del self._tokens[len(context) - 1:]
+        self._rewind(context)
         return seconds
 
     # -- protocol -------------------------------------------------------------------------------

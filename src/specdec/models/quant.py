@@ -571,10 +571,10 @@ def gather_small_tables(model: nn.Module) -> int:
     rounded up to a whole huge page) into one shared table on huge pages; returns how many moved.
 
     A small table is not rounded up to a whole 2 MiB page (that would waste most of it), so it stays
-    on 4 KiB pages, and a model of narrow layers has
-    many (Qwen2.5-0.5B's q/k/v and output projections: ~1 MiB a layer, an eighth of its weights). Laid
-    side by side in one table they stream on huge pages too (where they add up to 1 MiB or more). Only where the bytes lie changes: each
-    module's `_q` becomes a view of the shared table with the same values. Done right after
+    on 4 KiB pages, and a model of narrow layers has many (Qwen2.5-0.5B's q/k/v and output
+    projections: ~1 MiB a layer, an eighth of its weights). Laid side by side in one table they
+    stream on huge pages too (where they add up to 1 MiB or more). Only where the bytes lie changes:
+    each module's `_q` becomes a view of the shared table with the same values. Done right after
     quantising, before any forward has remembered a layer's tables (`Block._kernel_parts`).
     """
     kernels = cpu_kernels.load()
