@@ -42,8 +42,10 @@ from .models.transformer import Transformer
 from .settings import DecodingSettings
 from .sampling import SamplingParams, adjust_logits, greedy_tokens, make_generator, process_logits, sample
 from .tokenizer import Detokenizer, Tokenizer
-from .verify import TokenTree, TreeVerdict, first_proven_rejection, verify_greedy, verify_greedy_best, \
-    verify_sampling, verify_tree_greedy, verify_tree_sampling
+from . import step as step_phases
+from .step import Emitted, Step, StepReport, log_probs
+from .verify import TokenTree, TreeVerdict, first_proven_rejection, verify_greedy, verify_sampling, \
+    verify_tree_greedy, verify_tree_sampling
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -330,16 +332,6 @@ class Stats:
 
 
 @dataclass
-class Step:
-    """What one target pass produced, for --show-drafts."""
-
-    accepted: list[int]
-    next_token: int
-    kind: str  # "recovered" | "bonus" | "prefill"
-    drafted: int  # draft tokens the target scored (tree nodes for a tree)
-
-
-@dataclass
 class Generation:
     token_ids: list[int]
     text: str
@@ -426,7 +418,7 @@ class Row:
     tree: TreeShape | None
     stats: Stats
     screen: bool  # greedy on the raw head: chains screened (`Engine._screen`), tokens by `head_argmax`
-    keep_logits: bool  # hand out the raw logits of each emitted token (log-probs)
+    logprobs: int | None  # None: no log-probs; n >= 0: each emitted token's and n top alternatives'
     fixed_k: bool  # a seeded sampled row: its k ignores the load cap (its draws depend on k)
     draft_cost: policy.DraftCost | None  # where its drafter's measured price per token goes
     steps: list[Step] | None  # per-step record (`Generation.steps`), or None
@@ -446,29 +438,6 @@ class Row:
     @property
     def finished(self) -> bool:
         return self.out.finished
-
-
-@dataclass
-class Emitted:
-    """What one prefill or step pushed through one row's `Output`."""
-
-    tokens: list[int]  # pushed tokens (cut at EOS, a stop string or the limit)
-    text: str  # the text they added (cut before a stop string)
-    logits: torch.Tensor | None = None  # [len(tokens), vocab] raw logits that predicted them (keep_logits)
-    drafted: int = 0  # draft tokens the target scored for this row (tree nodes for a tree)
-    accepted: int = 0
-    depth: int = 0  # the draft's deepest position (a chain's length)
-
-
-@dataclass
-class StepReport:
-    """One step over a batch: per row what it emitted, and what the load rules learn from."""
-
-    emitted: list[Emitted]
-    width: int  # T: tokens per row in the forward, padding included
-    drafted: int  # draft tokens scored, over all rows
-    accepted: int
-    forward_s: float  # the target forward and its output head
 
 
 _DEFAULT = object()
@@ -649,7 +618,11 @@ class Engine:
         cache = self.new_cache(1, len(ids) + max_new_tokens + self.room(row) + 1)
         emit(self.prefill(row, cache).text)
         while not row.finished:
-            emit(self.step([row], cache).emitted[0].text)
+            emitted = self.step([row], cache).emitted[0]
+            if emitted.error is not None:
+                self.finish(row)
+                raise emitted.error
+            emit(emitted.text)
         self.finish(row)
         return Generation(row.out.ids, row.out.text, row.out.finish_reason, row.stats, row.steps)
 
@@ -696,7 +669,7 @@ class Engine:
         num_speculative_tokens: int | None = None,
         draft_tree: TreeShape | None | object = _DEFAULT,
         draft_length: str | None = None,
-        keep_logits: bool = False,
+        logprobs: int | None = None,
         record_steps: bool = False,
         grammar=None,
     ) -> Row:
@@ -716,7 +689,7 @@ class Engine:
             tree = None
         fixed_k = not sampling.greedy and sampling.seed is not None
         # Screening judges the raw head's columns: not for logits that are adjusted afterwards.
-        screen = (self.screen_verify and sampling.greedy and not keep_logits and not sampling.adjusts_logits
+        screen = (self.screen_verify and sampling.greedy and logprobs is None and not sampling.adjusts_logits
                   and grammar is None)
         rule, cost = None, None
         if drafter is not None:
@@ -735,7 +708,7 @@ class Engine:
         eos = () if sampling.ignore_eos else self.model.config.eos_token_ids
         return Row(list(prompt_ids), Output(self.tokenizer, eos, list(stop), max_new_tokens),
                    sampling, make_generator(sampling.seed, self.device), drafter, rule, tree,
-                   Stats(prompt_tokens=len(prompt_ids)), screen, keep_logits, fixed_k, cost,
+                   Stats(prompt_tokens=len(prompt_ids)), screen, logprobs, fixed_k, cost,
                    [] if record_steps else None, grammar=grammar)
 
     def compile_structured(self, structured):
@@ -868,11 +841,13 @@ class Engine:
         text = row.out.push(first)
         if row.grammar is not None:
             row.grammar.advance([first])
-        return Emitted([first], text, logits if row.keep_logits else None)
+        logprobs = None if row.logprobs is None else log_probs(logits[-1:], [first], row.logprobs)
+        return Emitted([first], text, logprobs)
 
     @torch.inference_mode()
     def step(self, rows: list[Row], cache: KVCache, cap: int | None = None) -> StepReport:
         """One decoding step for every row (unfinished, prefilled): rows[r] lives in cache row r.
+        The phases and how a row's fault stays in its row: `step.py`.
 
         A row may also join here with its prompt all in its cache row but the last token (a prefix
         cache hit) and nothing emitted yet: the step scores that token in its block and emits its
@@ -881,149 +856,7 @@ class Engine:
         `cap`: the batch's load cap on each row's draft length (`policy.LoadCap`); rows with a
         fixed k (seeded sampling) ignore it.
         """
-        # 1. Propose: each row with its own drafter and draft length; rows whose drafters share a
-        # batch key (a draft model's or an EAGLE head's rows) in one call, one model forward per
-        # draft position. A lookup-first row looks up first; where it finds nothing, its learned
-        # part joins that same batched forward (with the length the rule wants for LEARNED).
-        plans = [self._plan(row, cap) for row in rows]
-        batched: dict[int, tuple[Proposal, float]] = {}
-        groups: dict[int, list[tuple[int, Drafter, int]]] = {}  # key -> (row, drafter, k) of each member
-        for r, (row, plan) in enumerate(zip(rows, plans)):
-            if not isinstance(plan, int) or plan == 0 or (key := row.drafter.batch_key()) is None:
-                continue
-            k = plan
-            if row.drafter.needs.fallback:
-                started = time.perf_counter()
-                free = row.drafter.propose_free(row.context, plan, self._learned_first(row))
-                if free is not None:
-                    batched[r] = (free, time.perf_counter() - started)
-                    continue
-                if self._stops(row) and row.stop is None:  # its model is not asked this step
-                    batched[r] = (Proposal([], source=LEARNED), 0.0)
-                    continue
-                k = plan if self._stops(row) else min(plan, max(1, row.rule.next_k(LEARNED)))
-            groups.setdefault(id(key), []).append((r, row.drafter.batch_member(), k))
-        for members in groups.values():
-            if len(members) == 1 and not rows[members[0][0]].drafter.needs.fallback:
-                continue  # alone: `_draft` proposes it
-            started = time.perf_counter()
-            first = members[0][1]
-            made = first.propose_batch([d for _, d, _ in members], [rows[r].context for r, _, _ in members],
-                                       [k for _, _, k in members])
-            share = (time.perf_counter() - started) / len(members)
-            for (r, _, _), p in zip(members, made):
-                if rows[r].drafter.needs.fallback:
-                    p = Proposal(p.tokens, p.q, source=LEARNED)
-                batched[r] = (p, share)
-        drafts = [self._draft(row, plan, batched.get(r)) for r, (row, plan) in enumerate(zip(rows, plans))]
-        # 2. One target forward over the blocks [lead token] + drafts, each at its positions (the
-        # lead token is the last emitted one, not yet in the cache; tree node i is block position
-        # i + 1 at its depth's position), padded at the end to the widest block.
-        base = cache.lengths.tolist()  # [n] each row's committed length = its lead token's position
-        blocks, places = [], []
-        for row, (tree, _, _), b in zip(rows, drafts, base):
-            if not row.out.ids:  # joining (see `step`): its prompt's last token, where prefill_last puts it
-                if b != len(row.prompt) - 1 or (row.drafter is not None and row.drafter.needs.observes is not None):
-                    raise ValueError("a row joins a step holding its prompt but the last token, without a "
-                                     "drafter that observes the prompt")
-                row.started = row.started or time.perf_counter()
-            blocks.append([row.out.ids[-1] if row.out.ids else row.prompt[-1]] + tree.tokens)
-            places.append([b] + [b + d for d in tree.depths()])
-        width = max(len(block) for block in blocks)
-        tokens = torch.tensor([blk + [blk[-1]] * (width - len(blk)) for blk in blocks], device=self.device)  # [n, T]
-        positions = torch.tensor([p + list(range(p[-1] + 1, p[-1] + 1 + width - len(p))) for p in places],
-                                 device=self.device)  # [n, T]
-        mask = None  # chains need only the causal mask; a tree row lets each node see its ancestors
-        if not all(tree.is_chain for tree, _, _ in drafts):
-            mask = torch.ones(width, width, dtype=torch.bool).tril().repeat(len(rows), 1, 1)  # [n, T, T]
-            for r, (tree, _, _) in enumerate(drafts):
-                if not tree.is_chain:
-                    mask[r, : len(tree) + 1, : len(tree) + 1] = tree.mask()
-            mask = mask.to(self.device)
-        started = time.perf_counter()
-        # The output head (a large share of a step with a big vocabulary) runs on the real rows of
-        # blocks only, not on padding, and not at all on the rows a screened verify never needs.
-        # Rows verified greedily on the raw head (`row.screen`) need only its argmax, which an int8
-        # head finds exactly at about half the work of its full product (`head_argmax`); their rows
-        # go through one call together, as the other rows' logits do.
-        _, hidden = self.model(tokens, positions, cache, mask=mask, last_n=0)  # hidden: [n, T, h]
-        best_of = {r: len(blocks[r]) for r, (row, (tree, _, _)) in enumerate(zip(rows, drafts))
-                   if row.screen and tree.is_chain}  # row -> how many block rows need the argmax
-        for r, (tree, _, _) in enumerate(drafts):
-            if r in best_of and len(tree) > 0:
-                best_of[r] = 1 + self._screen(hidden[r, : len(tree)], tree.tokens, rows[r].context)
-        full = [r for r in range(len(rows)) if r not in best_of]
-        logits_of = {}
-        if len(full) == 1:
-            r = full[0]
-            logits_of[r] = self.model.head(hidden[r, : len(blocks[r])])  # [len(block), vocab]
-        elif full:
-            joined = self.model.head(torch.cat([hidden[r, : len(blocks[r])] for r in full]))  # [sum, vocab]
-            offset = 0
-            for r in full:
-                logits_of[r] = joined[offset : offset + len(blocks[r])]
-                offset += len(blocks[r])
-        picked = {}  # row -> the head's argmax of its first best_of[r] block rows
-        if best_of:
-            best = self._head_argmax(torch.cat([hidden[r, :m] for r, m in best_of.items()]))
-            offset = 0
-            for r, m in best_of.items():
-                picked[r] = best[offset : offset + m]
-                offset += m
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        forward_s = time.perf_counter() - started
-        # 3. Per row: verify, roll back, hear back, emit.
-        emitted, drafted, accepted = [], 0, 0
-        for r, (row, (tree, q, source)) in enumerate(zip(rows, drafts)):
-            row.stats.target_forwards += 1
-            if not row.out.ids:  # joining: its first token, as `prefill_last` would give it
-                cache.truncate(base[r] + 1, row=r)  # its prompt; not the padding of a wider block
-                emitted.append(self._first_token(row, logits_of.get(r), picked[r][0] if r in picked else None))
-                continue
-            if r in picked:
-                v = verify_greedy_best(picked[r], tree.tokens)
-                verdict = TreeVerdict(v.accepted, v.next_token, v.kind, path=list(range(v.num_accepted)))
-            else:
-                verdict = self._verify_tree(logits_of[r], tree, q, row)
-            # Roll back: keep the lead token and the accepted path; the verdict's next token leads
-            # the following block. A chain's path is a prefix of the block, so moving the length is
-            # enough; a tree's path is packed into consecutive slots first.
-            keep = [0] + [i + 1 for i in verdict.path]  # block positions, increasing
-            if verdict.path == list(range(verdict.num_accepted)):
-                cache.truncate(base[r] + len(keep), row=r)
-            else:
-                cache.compact(keep, base[r], row=r)
-            depth = max(tree.depths(), default=0)
-            row.stats.count(len(tree), verdict.num_accepted, depth)
-            drafted += len(tree)
-            accepted += verdict.num_accepted
-            if row.drafter is not None:
-                if row.drafter.needs.observes is not None:
-                    row.drafter.observe(hidden[r, keep])  # lead token + accepted path, in order
-                row.drafter.feedback(verdict.num_accepted)
-                if self._stops(row):
-                    self._hear_ask(row, len(tree), verdict.num_accepted, source)
-                if len(tree):
-                    row.rule.update(len(tree), verdict.num_accepted, source)
-                    # A drafter's price is relative to a plain step: learnt where the pass's modelled
-                    # cost in plain steps is known (a batch of one under the cost rule).
-                    if row.draft_cost is not None and len(rows) == 1 and isinstance(row.rule,
-                                                                                   policy.CostAwareDraftLength):
-                        row.draft_cost.observe_step(forward_s, row.rule.step_cost(len(tree), source))
-            if row.steps is not None:
-                row.steps.append(Step(list(verdict.accepted), verdict.next_token, verdict.kind, len(tree)))
-            kept, text = [], ""
-            for token in verdict.tokens:
-                text += row.out.push(token)
-                kept.append(token)
-                if row.out.finished:
-                    break
-            if row.grammar is not None:
-                row.grammar.advance(kept)
-            row_logits = logits_of[r][keep][: len(kept)] if row.keep_logits else None
-            emitted.append(Emitted(kept, text, row_logits, len(tree), verdict.num_accepted, depth))
-        return StepReport(emitted, width, drafted, accepted, forward_s)
+        return step_phases.run(self, rows, cache, cap)
 
     def _plan(self, row: Row, cap: int | None) -> int | TokenTree:
         """How many tokens the row asks its drafter for this step (0: none), or, for a tree row,
