@@ -267,3 +267,48 @@ def test_the_attacks_triggers_beside_eight_good_requests(server, plain, fields, 
         text = res.json()["choices"][0]["text"]
         assert text == plain.generate(prompt=prompt, max_new_tokens=8, speculative=False).text
         assert SECRET not in res.text
+
+
+@pytest.fixture(scope="module")
+def faulty_server(folder, plain):
+    from specdec.server.app import ServerSettings, create_app
+    from test_server import SETTINGS, ThreadServer
+
+    srv = ThreadServer(create_app(ServerSettings(model=str(folder), **SETTINGS),
+                                  load=lambda s: (FaultyModel(plain.model), plain.tokenizer))).start()
+    yield srv.url
+    srv.stop()
+
+
+def _stream(url, body, out, i):
+    with httpx.Client(base_url=url, timeout=120) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as res:
+            out[i] = (res.status_code, [line for line in res.iter_lines() if line])
+
+
+def test_a_fault_after_the_first_byte_is_an_sse_error_event_of_its_stream_alone(faulty_server, plain):
+    # The bad stream's first token is POISON (its bias), so the step after it fails its row: its
+    # role chunk is out already, so the error comes as an event, and the stream ends.
+    import json
+
+    bad = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True, "temperature": 0,
+           "logit_bias": {str(POISON): 100}}
+    goods = [{"prompt": p, "max_tokens": 8, "temperature": 0, "logit_bias": {str(POISON): -100}} for p in PROMPTS]
+    out = [None] * (len(goods) + 1)
+    threads = [threading.Thread(target=_post, args=(faulty_server, b, out, i)) for i, b in enumerate(goods)]
+    threads.append(threading.Thread(target=_stream, args=(faulty_server, bad, out, len(goods))))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    status, events = out.pop()
+    assert status == 200
+    assert json.loads(events[0][len("data: "):])["choices"][0]["delta"]["role"] == "assistant"
+    errors = [json.loads(e[len("data: "):])["error"] for e in events if e.startswith('data: {"error"')]
+    assert len(errors) == 1 and errors[0]["type"] == "internal_error" and SECRET not in errors[0]["message"]
+    assert events[-1] == "data: [DONE]"
+    for prompt, res in zip(PROMPTS, out):
+        assert res.status_code == 200, res.text
+        want = plain.generate(prompt=prompt, max_new_tokens=8, sampling=SamplingParams(logit_bias=AVOID),
+                              speculative=False).text
+        assert res.json()["choices"][0]["text"] == want

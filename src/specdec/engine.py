@@ -236,7 +236,7 @@ def resolve_drafter(drafter: str, target: str, draft_p_min: float | None = None)
     draft model where lookup finds nothing (`ngram+DRAFT`), with the pair's confidence cut-off
     unless one is given; else prompt lookup, which the cost-aware draft length turns down where it
     finds nothing to copy. The lookup part costs nothing where it finds nothing, its weak matches
-    give way to the model (`Engine._learned_first`), and where the draft model does not read a long
+    give way to the model (`DraftController.learned_first`), and where the draft model does not read a long
     prompt (`policy.AskGate.reads`) lookup still drafts: on the pair's tuning prompts
     (scripts/draft_tuning_prompts.jsonl) the combination was as fast as the draft model alone on
     short prompts and 1.2-1.3x plain on the long summaries where the draft alone was plain."""
@@ -414,22 +414,17 @@ class Row:
     sampling: SamplingParams
     generator: torch.Generator | None
     drafter: Drafter | None
-    rule: object  # a `policy` draft-length rule (next_k / update / k_max), or None without a drafter
+    control: policy.DraftController | None  # its drafting decisions (None without a drafter)
     tree: TreeShape | None
     stats: Stats
     screen: bool  # greedy on the raw head: chains screened (`Engine._screen`), tokens by `head_argmax`
     logprobs: int | None  # None: no log-probs; n >= 0: each emitted token's and n top alternatives'
-    fixed_k: bool  # a seeded sampled row: its k ignores the load cap (its draws depend on k)
-    draft_cost: policy.DraftCost | None  # where its drafter's measured price per token goes
     steps: list[Step] | None  # per-step record (`Generation.steps`), or None
     started: float = 0.0
     begun: bool = False  # prefilled: the drafter has had `begin`
-    read: bool = False  # the drafter has read the prompt (`Engine._reads`)
     # A learned drafter's row: the prompt's final hidden states from the prefill's chunks so far.
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)
     grammar: object = None  # a `structured.GrammarState` at the committed tokens, or None
-    # This step's `policy.ChainStop` for a self-sizing drafter, or None when it is not asked.
-    stop: object = None
 
     @property
     def context(self) -> list[int]:
@@ -691,8 +686,9 @@ class Engine:
         # Screening judges the raw head's columns: not for logits that are adjusted afterwards.
         screen = (self.screen_verify and sampling.greedy and logprobs is None and not sampling.adjusts_logits
                   and grammar is None)
-        rule, cost = None, None
+        control = None
         if drafter is not None:
+            cost = None
             read = policy.DEFAULT_READ_COSTS[policy.hardware_kind(self.model)]
             if drafter.needs.model:
                 measured = drafter.draft_cost
@@ -705,11 +701,12 @@ class Engine:
             rule_cost = policy.DraftCost(read_prior=read) if cost is not None and fixed_k else cost
             rule = policy.row_rule(length, k, model=self.model, verify_cost=self.verify_cost,
                                    verify_overhead=self.verify_overhead, screened=screen, draft_cost=rule_cost)
+            control = policy.DraftController(drafter, rule, cost, fixed_k=fixed_k, tree=tree)
         eos = () if sampling.ignore_eos else self.model.config.eos_token_ids
         return Row(list(prompt_ids), Output(self.tokenizer, eos, list(stop), max_new_tokens),
-                   sampling, make_generator(sampling.seed, self.device), drafter, rule, tree,
-                   Stats(prompt_tokens=len(prompt_ids)), screen, logprobs, fixed_k, cost,
-                   [] if record_steps else None, grammar=grammar)
+                   sampling, make_generator(sampling.seed, self.device), drafter, control, tree,
+                   Stats(prompt_tokens=len(prompt_ids)), screen, logprobs, [] if record_steps else None,
+                   grammar=grammar)
 
     def compile_structured(self, structured):
         """A fresh `structured.GrammarState` for a request's constraint (a spec or its dict form);
@@ -742,9 +739,7 @@ class Engine:
     @staticmethod
     def room(row: Row) -> int:
         """Cache slots a step may write past the row's committed tokens, lead token excluded."""
-        if row.drafter is None:
-            return 0
-        return row.tree.budget if row.tree is not None else row.rule.k_max
+        return 0 if row.control is None else row.control.room
 
     def finish(self, row: Row, now: float | None = None) -> None:
         """The row leaves: its drafter hears the output, its statistics are closed."""
@@ -857,158 +852,6 @@ class Engine:
         fixed k (seeded sampling) ignore it.
         """
         return step_phases.run(self, rows, cache, cap)
-
-    def _plan(self, row: Row, cap: int | None) -> int | TokenTree:
-        """How many tokens the row asks its drafter for this step (0: none), or, for a tree row,
-        its proposed tree (tree drafting is not batched)."""
-        drafter = row.drafter
-        row.stop = None
-        # Never draft past the token allowance: those tokens could not be emitted.
-        limit = row.out.remaining if (cap is None or row.fixed_k) else min(row.out.remaining, cap)
-        if drafter is None or limit <= 0 or not row.out.ids:  # (a joining row's drafter has not begun)
-            return 0
-        if row.tree is not None:
-            shape = row.tree
-            budget = min(shape.budget, limit) if cap is not None and not row.fixed_k else shape.budget
-            tree = drafter.propose_tree(row.context, min(shape.depth, limit), shape.top_k, budget)
-            if len(tree) > budget:
-                raise ValueError(f"{drafter.name} proposed {len(tree)} tree nodes, over the budget of {budget}")
-            return tree
-        if self._stops(row):
-            # A drafter that sizes its chains by their price (a draft model's confidence): hand it
-            # this step's price and ask for the most the rule allows, if asking has paid so far
-            # (`policy.AskGate`; a lookup-first row still looks up when its model is not asked).
-            rule = row.rule
-            if rule.gate.asks() and self._reads(row):
-                d = 0.0 if rule.draft_cost is None else rule.draft_cost.per_token(self._model_source(row))
-                row.stop = policy.ChainStop(rule.verify_cost, rule.verify_overhead, rule.screened_share, d,
-                                            max(1.0, rule.gate.value()))
-            drafter.stop_by(row.stop)
-            return min(rule.k_max, limit) if row.stop is not None or drafter.needs.labels_proposals else 0
-        if drafter.needs.stops:
-            drafter.stop_by(None)  # a fixed or adaptive length: the k asked for
-        if drafter.needs.labels_proposals:
-            # A lookup's kind is known once it is found, and looking up is free: ask for the most
-            # the rule may keep, then keep what it wants for that kind (`_draft`).
-            k = min(row.rule.k_max, limit)
-        else:
-            # The kind of guess is known before asking (one kind): nothing to propose when the rule
-            # wants no draft (a model drafter's forward would be spent for nothing).
-            k = min(row.rule.next_k(), limit)
-        if k and (unread := drafter.pending(row.context)):
-            self._read(row, unread)  # a fixed length reads whatever it costs, timed apart
-        return k
-
-    def _reads(self, row: Row) -> bool:
-        """For a row whose self-sizing drafter the gate would ask: whether the context it has not
-        read yet (the prompt, before the first ask; what was emitted while it was not asked) is
-        worth reading for the answer's remaining tokens (`policy.AskGate.reads`), and if so read
-        it now. False: the drafter is not asked this step (nor, for a prompt too long to pay
-        back, later: the allowance only shrinks). Only the prompt's read is weighed: a catch-up
-        after a pause is part of the probe the gate chose to make, and weighing it against the
-        stale value that the probe is there to refresh would put the probe off."""
-        unread = row.drafter.pending(row.context)
-        if not unread:
-            row.read = True  # a short prompt: read along with the first proposal
-            return True
-        rule = row.rule
-        price = rule.draft_cost.per_read_token() if rule.draft_cost is not None else 0.0
-        if not row.read and not rule.gate.reads(unread, row.out.remaining, price):
-            return False
-        self._read(row, unread)
-        return True
-
-    @staticmethod
-    def _read(row: Row, unread: int) -> None:
-        """The drafter reads its pending context, timed as reading (`DraftCost.observe_read`), not
-        as drafting: a prompt's read in the first proposal's time would price every draft token
-        of the drafter out."""
-        started = time.perf_counter()
-        row.drafter.read(row.context)
-        row.read = True
-        if row.draft_cost is not None and not row.fixed_k:
-            row.draft_cost.observe_read(unread, time.perf_counter() - started)
-
-    @staticmethod
-    def _stops(row: Row) -> bool:
-        """Whether the row's drafter sizes its own chains by their price (`ChainStop`), under the
-        cost rule; a fixed or adaptive length is the k asked for."""
-        return row.drafter.needs.stops and isinstance(row.rule, policy.CostAwareDraftLength)
-
-    @staticmethod
-    def _model_source(row: Row) -> object:
-        """`Proposal.source` of the drafts a row's model drafter makes (LEARNED in a lookup-first
-        combination, None alone)."""
-        return LEARNED if row.drafter.needs.labels_proposals else None
-
-    def _learned_first(self, row: Row):
-        """For a lookup-first row whose model sizes its own chains and is asked this step: a test of
-        a lookup guess's kind, True where the model's asks have been worth more per plain step
-        (`AskGate.value`) than that kind at its best length (`CostAwareDraftLength.value`);
-        otherwise None (lookup's guess first, as ever)."""
-        if not self._stops(row) or row.stop is None:
-            return None
-        rule = row.rule
-        learned = rule.gate.value()
-        return lambda source: learned > rule.value(source)
-
-    def _hear_ask(self, row: Row, drafted: int, accepted: int, source: object) -> None:
-        """The ask gate hears what this step's ask of a self-sizing drafter gained and cost, or
-        that it was not asked (a lookup's proposal in its place says neither)."""
-        gate = row.rule.gate
-        if row.stop is None:
-            gate.observe_skip()
-        elif source == self._model_source(row):
-            stop = row.stop
-            cost = stop.draft_cost * stop.looked
-            if drafted:
-                cost += stop.verify_overhead + stop.verify_cost * drafted
-            gate.observe_ask(accepted, cost)
-
-    def _draft(self, row: Row, plan: int | TokenTree, made: tuple[Proposal, float] | None
-               ) -> tuple[TokenTree, torch.Tensor | None, object]:
-        """This step's drafts as a tree (a chain is a path), their q ([nodes, vocab] or None) and
-        the proposal's `source` (what kind of guess it is, for the draft-length rule). `made`: the
-        row's proposal from a batched call, with its share of that call's time.
-
-        Tree candidates are deterministic given the context (`propose_tree`), so a tree carries no
-        q: verification treats each node as one-hot, which is exact.
-        """
-        if isinstance(plan, TokenTree):
-            return plan, None, None
-        k = plan
-        if k == 0:
-            return TokenTree([], []), None, None
-        drafter, rule = row.drafter, row.rule
-        if made is not None:
-            proposal, seconds = made
-        else:
-            started = time.perf_counter()
-            if drafter.needs.fallback:
-                # Where lookup finds nothing, the learned drafter drafts what the rule wants for
-                # its kind (a fixed length: k).
-                if self._stops(row):
-                    fallback = k if row.stop is not None else 0
-                else:
-                    fallback = max(1, rule.next_k(LEARNED))
-                proposal = drafter.propose(row.context, k, fallback_k=fallback, learned_first=self._learned_first(row))
-            else:
-                proposal = drafter.propose(row.context, k)
-            seconds = time.perf_counter() - started
-        if row.draft_cost is not None and not row.fixed_k:
-            # A self-sized chain's price is per draft forward (positions its stop read), which is
-            # what its stop weighs; per drafted token it would count the forward that found the
-            # chain not worth going on, and price itself out.
-            forwards = len(proposal.tokens)
-            if row.stop is not None and proposal.source == self._model_source(row):
-                forwards = row.stop.looked
-            row.draft_cost.observe_draft(proposal.source, forwards, seconds)
-        if not (self._stops(row) and proposal.source == self._model_source(row)):
-            k = min(k, rule.next_k(proposal.source))
-        elif row.stop is not None and not row.stop.worth():
-            k = 0  # a self-sized chain keeps what it drafted, if it beats a plain step at all
-        q = None if proposal.q is None else proposal.q[:k]
-        return TokenTree.chain(proposal.tokens[:k]), q, proposal.source
 
     # -- verification ---------------------------------------------------------------------------
 

@@ -12,9 +12,8 @@
     commit    each row's cache back to its accepted path; its drafter and rule hear back
     emit      the verdict's tokens through the row's `Output`, one at a time; log-probs
 
-Rows joining from the prefix cache (prompt all in but its last token, nothing emitted) take part
-in the forward with that token as their block; `join` emits their first token, what
-`Engine.prefill_last` would give.
+    join      a row joining from the prefix cache (its prompt all in but its last token, which was
+              its block): its first token, what `Engine.prefill_last` would give
 
 Fault isolation. An exception raised for one row (its drafter, its sampling or penalties, its
 grammar, its log-probs) is caught where that row's work happens: that row's `Emitted` carries the
@@ -35,7 +34,6 @@ from typing import Callable
 
 import torch
 
-from . import policy
 from .drafters.base import Drafter, Proposal
 from .drafters.combined import LEARNED
 from .verify import TokenTree, TreeVerdict, verify_greedy_best
@@ -137,8 +135,11 @@ def run(engine, rows: list, cache, cap: int | None) -> StepReport:
     forward_s = time.perf_counter() - started
     emitted, drafted, accepted = [], 0, 0
     for r, (row, block) in enumerate(zip(rows, blocks)):
-        out = faults.run(r, _finish_row, engine, row, r, block, scores.get(r), hidden, cache, base[r],
-                         len(rows), forward_s)
+        if not row.out.ids:
+            out = faults.run(r, join, engine, row, r, scores.get(r), cache, base[r])
+        else:
+            out = faults.run(r, _finish_row, engine, row, r, block, scores.get(r), hidden, cache, base[r],
+                             len(rows), forward_s)
         if r in faults:
             cache.truncate(base[r], row=r)  # nothing of a failed step stays (the row leaves)
             out = Emitted([], "", error=faults[r])
@@ -156,16 +157,27 @@ def propose(engine, rows: list, cap: int | None, faults: Faults) -> list[Block]:
     batch key (a draft model's or an EAGLE head's rows) in one call, one model forward per draft
     position. A lookup-first row looks up first; where it finds nothing, its learned part joins
     that batched call. A batched call that raises is retried row by row."""
-    plans = [faults.run(r, engine._plan, row, cap) for r, row in enumerate(rows)]
-    batched = _propose_batched(engine, rows, plans, faults)
+    plans = [faults.run(r, _plan, row, cap) for r, row in enumerate(rows)]
+    batched = _propose_batched(rows, plans, faults)
     blocks = []
     for r, (row, plan) in enumerate(zip(rows, plans)):
-        made = faults.run(r, engine._draft, row, 0 if plan is None else plan, batched.get(r))
+        if not plan:  # 0, an empty tree, or the row failed
+            blocks.append(_empty())
+            continue
+        made = faults.run(r, row.control.draft, row.context, plan, batched.get(r))
         blocks.append(_empty() if made is None else Block(*made))
     return blocks
 
 
-def _propose_batched(engine, rows: list, plans: list, faults: Faults) -> dict[int, tuple[Proposal, float]]:
+def _plan(row, cap: int | None) -> int | TokenTree:
+    """The row's ask of its drafter (`DraftController.plan`); 0 without a drafter, and for a row
+    joining this step (its drafter begins when its first token is out)."""
+    if row.control is None or not row.out.ids:
+        return 0
+    return row.control.plan(row.context, row.out.remaining, cap)
+
+
+def _propose_batched(rows: list, plans: list, faults: Faults) -> dict[int, tuple[Proposal, float]]:
     """The proposals made in batched calls (row -> proposal, its share of the call's time); rows
     left out propose alone in `Engine._draft`."""
     batched: dict[int, tuple[Proposal, float]] = {}
@@ -173,7 +185,7 @@ def _propose_batched(engine, rows: list, plans: list, faults: Faults) -> dict[in
     for r, (row, plan) in enumerate(zip(rows, plans)):
         if r in faults or not isinstance(plan, int) or plan == 0 or (key := row.drafter.batch_key()) is None:
             continue
-        member = faults.run(r, _batch_member, engine, row, plan, batched, r)
+        member = faults.run(r, _batch_member, row, plan, batched, r)
         if member is not None:
             groups.setdefault(id(key), []).append((r, member[0], member[1]))
     for members in groups.values():
@@ -193,21 +205,21 @@ def _propose_batched(engine, rows: list, plans: list, faults: Faults) -> dict[in
     return batched
 
 
-def _batch_member(engine, row, plan: int, batched: dict, r: int) -> tuple[Drafter, int] | None:
+def _batch_member(row, plan: int, batched: dict, r: int) -> tuple[Drafter, int] | None:
     """(the row's member of a batched draft, its k), or None where the row needs no batched call
     (a lookup-first row whose lookup found a guess, or whose model is not asked this step: its
     proposal goes into `batched` at once)."""
-    k = plan
+    k, control = plan, row.control
     if row.drafter.needs.fallback:
         started = time.perf_counter()
-        free = row.drafter.propose_free(row.context, plan, engine._learned_first(row))
+        free = row.drafter.propose_free(row.context, plan, control.learned_first())
         if free is not None:
             batched[r] = (free, time.perf_counter() - started)
             return None
-        if engine._stops(row) and row.stop is None:  # its model is not asked this step
+        if not control.asked:  # its model is not asked this step
             batched[r] = (Proposal([], source=LEARNED), 0.0)
             return None
-        k = plan if engine._stops(row) else min(plan, max(1, row.rule.next_k(LEARNED)))
+        k = control.learned_k(plan)
     return row.drafter.batch_member(), k
 
 
@@ -327,12 +339,16 @@ def _joined(head, hidden: torch.Tensor, sizes: dict[int, int], faults: Faults) -
 # -- verify, commit, emit (one row) ----------------------------------------------------------------
 
 
-def _finish_row(engine, row, r: int, block: Block, scores: Scores | None, hidden: torch.Tensor, cache,
+def join(engine, row, r: int, scores: Scores, cache, base: int) -> Emitted:
+    """A row joining from the prefix cache: its first token, as `prefill_last` would give it."""
+    row.stats.target_forwards += 1
+    cache.truncate(base + 1, row=r)  # its prompt; not the padding of a wider block
+    return engine._first_token(row, scores.logits, scores.picked[0] if scores.picked is not None else None)
+
+
+def _finish_row(engine, row, r: int, block: Block, scores: Scores, hidden: torch.Tensor, cache,
                 base: int, batch: int, forward_s: float) -> Emitted:
     row.stats.target_forwards += 1
-    if not row.out.ids:  # joining: its first token, as `prefill_last` would give it
-        cache.truncate(base + 1, row=r)  # its prompt; not the padding of a wider block
-        return engine._first_token(row, scores.logits, scores.picked[0] if scores.picked is not None else None)
     verdict = verify(engine, row, block, scores)
     keep = commit(engine, row, r, block, verdict, hidden, cache, base, batch, forward_s)
     return emit(row, block, verdict, scores, keep)
@@ -365,14 +381,7 @@ def commit(engine, row, r: int, block: Block, verdict: TreeVerdict, hidden: torc
     if row.drafter.needs.observes is not None:
         row.drafter.observe(hidden[r, keep])  # lead token + accepted path, in order
     row.drafter.feedback(verdict.num_accepted)
-    if engine._stops(row):
-        engine._hear_ask(row, len(tree), verdict.num_accepted, block.source)
-    if len(tree):
-        row.rule.update(len(tree), verdict.num_accepted, block.source)
-        # A drafter's price is relative to a plain step: learnt where the pass's modelled cost in
-        # plain steps is known (a batch of one under the cost rule).
-        if row.draft_cost is not None and batch == 1 and isinstance(row.rule, policy.CostAwareDraftLength):
-            row.draft_cost.observe_step(forward_s, row.rule.step_cost(len(tree), block.source))
+    row.control.hear(len(tree), verdict.num_accepted, block.source, forward_s, batch)
     return keep
 
 
