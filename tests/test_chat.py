@@ -137,7 +137,8 @@ class Terminal:
     """`specdec chat` on a pseudo-terminal: this side types and reads what a user would see."""
 
     def __init__(self, args: list[str]):
-        paths = [str(Path(specdec.__file__).parents[1])] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        paths = [str(Path(specdec.__file__).parents[1])]  # this specdec, wherever the tests import it from
+        paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         env = dict(os.environ, TERM="dumb", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(paths))
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: the pty is its controlling terminal, as in a shell

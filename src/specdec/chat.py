@@ -81,8 +81,8 @@ class ChatSession:
             raise no_template()
         limit = engine.model.config.max_position
         if not 1 <= max_tokens < limit:
-            raise InvalidRequestError(f"--max-tokens must be in [1, {limit}) for this model's context of {limit} tokens",
-                                      "max_tokens")
+            raise InvalidRequestError(f"--max-tokens must be in [1, {limit}) for this model's context of "
+                                      f"{limit} tokens", "max_tokens")
         self.engine = engine
         self.system = system
         self.max_tokens = max_tokens
