@@ -267,6 +267,20 @@ def test_time_to_first_token_separates_a_hit_within_a_partition_only(engine):
         assert mann_whitney_p(times[kind], times["fresh"]) > 0.001, (kind, times)
 
 
+def test_no_lookup_drafter_carries_one_request_into_another(engine):
+    """The suffix drafter keeps statistics across the requests it sees; the server gives each
+    request a fresh one (`spawn`), so the drafters it loaded never see a request."""
+    sched = BatchScheduler(engine.model, engine.tokenizer, max_batch=2, max_model_len=512, adaptive=False).start()
+    try:
+        for drafter in ("suffix", "ngram"):
+            req = Request(engine.tokenizer.encode(SECRET), 8, SamplingParams(), drafter=drafter, tenant="alice")
+            assert sched.submit(req).result().usage.completion_tokens == 8
+        assert sched.drafters["suffix"].num_entries == 0
+        assert sched.drafters["suffix"].spawn().num_entries == 0
+    finally:
+        sched.shutdown()
+
+
 # -- tenants' places ---------------------------------------------------------------------------------------
 
 

@@ -71,8 +71,8 @@ def add_arguments(parser) -> None:
                              "[cache_share=F]' (defaults: --max-batch, --max-queue, 1/number of tenants; README, "
                              "Security); cached prompt prefixes are never shared between tenants; reloaded on SIGHUP")
     parser.add_argument("--metrics-key", default=None, metavar="KEY",
-                        help="a key that reads /metrics alone, with the server-wide figures (with several tenants "
-                             "a tenant's key reads its own figures only)")
+                        help="a key that reads /metrics, with the server-wide figures, and the docs, and cannot "
+                             "generate (with several tenants a tenant's key reads its own figures only)")
     parser.add_argument("--cache-salt", default="request", choices=["request", "tenant", "off"],
                         help="who shares cached prompt prefixes: request = requests of one tenant with the same "
                              "`cache_salt` field (none is a salt too); tenant = every request of one tenant "
