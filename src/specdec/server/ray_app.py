@@ -117,14 +117,13 @@ class SpecdecServer:
             self._pusher = asyncio.get_running_loop().create_task(self._push_forever())
 
     def __serve_build_asgi_app__(self):
-        from fastapi import Request
         from fastapi.responses import PlainTextResponse
 
         app = create_app(self._settings, load=lambda settings: self._loaded)
         if self._hub is not None:
             app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/metrics"]
 
-            async def all_replicas_metrics(request: Request):
+            async def all_replicas_metrics(request):  # a plain Starlette route: called with the request
                 # Every replica's server-wide figures: the metrics key's (or the one tenant's).
                 keys, header = app.state.specdec.keys, request.headers.get("authorization")
                 if not (keys.open or keys.is_metrics_key(header)
@@ -134,7 +133,7 @@ class SpecdecServer:
                 await self._push()
                 return PlainTextResponse(await self._hub.render.remote(), media_type="text/plain; version=0.0.4")
 
-            app.add_api_route("/metrics", all_replicas_metrics, methods=["GET"], response_class=PlainTextResponse)
+            app.add_route("/metrics", all_replicas_metrics, methods=["GET"])
         return app
 
     def _own_metrics(self) -> str:
