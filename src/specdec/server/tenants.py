@@ -226,6 +226,8 @@ class TenantGate:
             raise
 
     def release(self, name: str) -> None:
+        if name not in self._limits:  # a request that did not come through `acquire`
+            return
         queue = self._waiting.get(name, deque())
         limit = self._limits[name].concurrency
         while queue and self.running(name) <= limit:
