@@ -13,17 +13,28 @@ thread, and must hold:
 - the server then answers `GET /health` on the same connection (or the error said
   `Connection: close`).
 
+A second generator is built from the server's own `/openapi.json` (hypothesis-jsonschema over the
+request bodies it declares): bodies valid by the published schema, SCHEMA_CASES per endpoint, with
+`max_tokens` cut to 3 where a case sets it higher (the schema allows the whole context).
+
+Beside every fuzzed request, innocent ones run concurrently on their own connection (`innocents`):
+greedy completions that must all succeed and equal the same prompt decoded alone, whatever the
+fuzzed request beside them did (issue 44: one client cannot break another).
+
 Budget: `derandomize=True` (a fixed seed: the same cases every run), CASES cases per endpoint and
 RAW_CASES raw ones, generation capped at 3 tokens; about a minute on 2 busy cores.
 """
 
 import json
+import threading
+import time
 from collections import Counter
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis_jsonschema import from_schema
 
 from specdec.server.app import ServerSettings, create_app
 from specdec.server.protocol import NOT_IMPLEMENTED
@@ -32,6 +43,8 @@ from test_server import SETTINGS, ThreadServer
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 CASES = 300
 RAW_CASES = 200
+SCHEMA_CASES = 150
+INNOCENT_PROMPTS = ["The cat", "Hello there", "def f(x):", "Once upon"]
 FUZZ = settings(max_examples=CASES, derandomize=True, deadline=None, database=None, print_blob=True,
                 suppress_health_check=list(HealthCheck))
 
@@ -39,12 +52,55 @@ statuses: Counter = Counter()  # (endpoint, status) over the whole module, check
 
 
 @pytest.fixture(scope="module")
-def http(tiny_folder, engine):
+def server(tiny_folder, engine):
     settings_ = ServerSettings(model=str(tiny_folder), **{**SETTINGS, "max_model_len": 128})
     srv = ThreadServer(create_app(settings_, load=lambda s: (engine.model, engine.tokenizer))).start()
-    with httpx.Client(base_url=srv.url, timeout=60, limits=httpx.Limits(max_connections=1)) as client:
-        yield client
+    yield srv.url
     srv.stop()
+
+
+class Innocents:
+    """Greedy completions sent one after another on their own connection while the fuzz runs,
+    each checked against the same prompt decoded alone. Bounded: at most `limit` requests, and it
+    stops when the module's fuzz ends."""
+
+    def __init__(self, url: str, engine, limit: int = 5000):
+        self.url, self.limit = url, limit
+        self.want = {p: engine.generate(prompt=p, max_new_tokens=4, speculative=False).text
+                     for p in INNOCENT_PROMPTS}
+        self.sent, self.failures = 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        with httpx.Client(base_url=self.url, timeout=60) as client:
+            while not self._stop.is_set() and self.sent < self.limit:
+                prompt = INNOCENT_PROMPTS[self.sent % len(INNOCENT_PROMPTS)]
+                res = client.post(C, json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
+                self.sent += 1
+                if res.status_code != 200 or res.json()["choices"][0]["text"] != self.want[prompt]:
+                    self.failures.append((prompt, res.status_code, res.text[:300]))
+                time.sleep(0.005)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def innocents(server, engine):
+    with Innocents(server, engine) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def http(server, innocents):
+    with httpx.Client(base_url=server, timeout=60, limits=httpx.Limits(max_connections=1)) as client:
+        yield client
 
 
 # -- strategies ---------------------------------------------------------------------------------
@@ -234,6 +290,44 @@ def test_fuzz_raw_bodies(http, target, body, ctype):
     check(http, "raw", method, path, body, headers)
 
 
+def _schema_bodies(endpoint: str, path: str):
+    """Bodies valid by the request schema that `/openapi.json` publishes for `path`, its
+    components in scope for the `$ref`s."""
+    from specdec.server.app import ServerSettings as S
+
+    doc = create_app(S()).openapi()
+    components = doc["components"]["schemas"]
+    ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    schema = {**components[ref.rsplit("/", 1)[1]], "components": {"schemas": components}}
+    return from_schema(schema).map(_few_tokens)
+
+
+def _few_tokens(body: dict) -> dict:
+    for key in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(key), int) and body[key] > 3:
+            body[key] = 3
+    return body
+
+
+@settings(FUZZ, max_examples=SCHEMA_CASES)
+@given(body=_schema_bodies("completions", C))
+def test_schema_fuzz_completions(http, body):
+    send_json(http, "schema-completions", C, body)
+
+
+@settings(FUZZ, max_examples=SCHEMA_CASES)
+@given(body=_schema_bodies("chat", CHAT))
+def test_schema_fuzz_chat(http, body):
+    send_json(http, "schema-chat", CHAT, body)
+
+
+def test_innocent_requests_never_failed_beside_the_fuzz(innocents):
+    """Every innocent request sent while the cases above ran succeeded with its alone output."""
+    innocents.__exit__()
+    assert innocents.sent >= 50, innocents.sent  # they really ran beside the fuzz
+    assert innocents.failures == []
+
+
 def test_the_fuzz_run_reached_both_outcomes():
     """The runs above exercised successes as well as refusals (and ran every case): a generator
     that only ever produced garbage would prove little."""
@@ -242,4 +336,7 @@ def test_the_fuzz_run_reached_both_outcomes():
         assert sum(counts.values()) >= cases, (endpoint, counts)
         assert counts.get(200, 0) >= cases // 20 and sum(n for s, n in counts.items() if s >= 400) >= cases // 5, \
             (endpoint, counts)
+    for endpoint in ("schema-completions", "schema-chat"):  # schema-valid cases: many must be served
+        counts = {status: n for (e, status), n in statuses.items() if e == endpoint}
+        assert sum(counts.values()) >= SCHEMA_CASES and counts.get(200, 0) >= SCHEMA_CASES // 10, (endpoint, counts)
     print("fuzz cases by endpoint and status:", dict(sorted(statuses.items())))

@@ -33,6 +33,25 @@ def _parser() -> argparse.ArgumentParser:
                      help="render the prompt with the model's chat template (as /v1/chat/completions does) and "
                           "stop at the end of the assistant's turn")
     gen.add_argument("--prompt-ids", help="comma-separated token ids (for models without a tokenizer)")
+    add_decoding_arguments(gen)
+    form = gen.add_mutually_exclusive_group()
+    form.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this schema")
+    form.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    form.add_argument("--regex", help="the output matches this regular expression")
+    form.add_argument("--grammar", metavar="FILE", help="the output follows this Lark (or GBNF) grammar")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--compare", action="store_true", help="run plain and speculative decoding, compare")
+    gen.add_argument("--show-drafts", action="store_true", help="mark accepted [..], recovered {..}, bonus <..>")
+    # Each other subcommand owns its arguments and its runner in its own module; this file only
+    # wires them up (imports stay lazy so `specdec generate` does not pay for the server's).
+    for name, module, help_text in SUBCOMMANDS:
+        _import(module).add_arguments(sub.add_parser(name, help=help_text))
+    return parser
+
+
+def add_decoding_arguments(gen: argparse.ArgumentParser) -> None:
+    """The model, drafter, sampling and device options: `generate`'s, which `chat` takes too."""
     gen.add_argument("--model", default="default",
                      help="HF folder, .gguf file, or a named model (`specdec models`, e.g. qwen2.5-coder-1.5b-instruct) "
                           "(default: Gemma 3 270M)")
@@ -94,11 +113,6 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--logit-bias", default="", metavar="ID:BIAS,...", help="added to those tokens' logits")
     gen.add_argument("--min-tokens", type=int, default=0, help="EOS is masked before this many tokens")
     gen.add_argument("--ignore-eos", action="store_true", help="EOS does not end the output")
-    form = gen.add_mutually_exclusive_group()
-    form.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this schema")
-    form.add_argument("--json-object", action="store_true", help="the output is a JSON object")
-    form.add_argument("--regex", help="the output matches this regular expression")
-    form.add_argument("--grammar", metavar="FILE", help="the output follows this Lark (or GBNF) grammar")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--dtype", default="auto",
                      help="auto (bfloat16 on CUDA and on CPUs with native bfloat16, float32 otherwise and for int8) "
@@ -109,21 +123,14 @@ def _parser() -> argparse.ArgumentParser:
                           "head's vocabulary; gloo on the CPU, NCCL on CUDA, one GPU a rank): specdec spawns "
                           "ranks 1..N-1 itself, or run it under `torchrun --nproc-per-node N`; the drafter "
                           "and verification run on rank 0 (README, Tensor parallelism)")
-    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
-    gen.add_argument("--json", action="store_true", help="print one JSON object")
-    gen.add_argument("--compare", action="store_true", help="run plain and speculative decoding, compare")
-    gen.add_argument("--show-drafts", action="store_true", help="mark accepted [..], recovered {..}, bonus <..>")
-    # Each other subcommand owns its arguments and its runner in its own module; this file only
-    # wires them up (imports stay lazy so `specdec generate` does not pay for the server's).
-    for name, module, help_text in SUBCOMMANDS:
-        _import(module).add_arguments(sub.add_parser(name, help=help_text))
-    return parser
 
 
 # (subcommand, module with add_arguments(parser) and run(args) -> exit code, help)
 SUBCOMMANDS = [
     ("serve", "specdec.server.cli", "run the OpenAI-compatible HTTP server"),
     ("bench", "specdec.bench.cli", "benchmark configurations on Spec-Bench prompts"),
+    ("chat", "specdec.chat",
+     "talk with a model turn by turn, kept loaded: its chat template, a system prompt, /reset, /drafts"),
     ("models", "specdec.models.presets", "list the named models (--model / --drafter NAME) and whether they are installed"),
     ("train-draft", "specdec.train",
      "train a drafter for a target by self-distillation: an EAGLE-style head or a small draft model"),
@@ -159,19 +166,37 @@ def _show_drafts(engine, generation, colour: bool) -> str:
     return "".join(pieces)
 
 
-def _generate(args) -> int:
-    from .engine import Engine
+def sampling_from_args(args):
+    """The `SamplingParams` of the decoding options (`add_decoding_arguments`)."""
     from .sampling import SamplingParams
-    from .tokenizer import check_text
 
     try:
         bias = {int(t): float(b) for t, b in (pair.split(":") for pair in args.logit_bias.split(",") if pair)}
     except ValueError:
         raise SpecdecError("--logit-bias must be ID:BIAS pairs separated by commas, e.g. 13:-5,42:2.5") from None
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed,
-                              frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
-                              repetition_penalty=args.repetition_penalty, logit_bias=bias,
-                              min_tokens=args.min_tokens, ignore_eos=args.ignore_eos)
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed,
+                          frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                          repetition_penalty=args.repetition_penalty, logit_bias=bias,
+                          min_tokens=args.min_tokens, ignore_eos=args.ignore_eos)
+
+
+def load_engine(args):
+    """The engine the decoding options name, loaded with the CLI's progress lines."""
+    from .engine import Engine
+
+    print("specdec: loading the model...", file=sys.stderr)
+    return Engine.load(args.model, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
+                       device=args.device, dtype=args.dtype, draft_length=args.draft_length, progress=_progress,
+                       draft_p_min=args.draft_p_min, quantize=args.quantize,
+                       draft_tree=args.tree, verify_cost=args.verify_cost, verify_overhead=args.verify_overhead,
+                       draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab,
+                       tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype)
+
+
+def _generate(args) -> int:
+    from .tokenizer import check_text
+
+    sampling = sampling_from_args(args)
     prompt_ids = None
     if args.prompt_ids:
         try:
@@ -211,13 +236,7 @@ def _generate(args) -> int:
         structured = {"json_object": True}
     elif args.regex is not None:
         structured = {"regex": args.regex}
-    print("specdec: loading the model...", file=sys.stderr)
-    engine = Engine.load(args.model, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
-                         device=args.device, dtype=args.dtype, draft_length=args.draft_length, progress=_progress,
-                         draft_p_min=args.draft_p_min, quantize=args.quantize,
-                         draft_tree=args.tree, verify_cost=args.verify_cost, verify_overhead=args.verify_overhead,
-                         draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab,
-                         tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype)
+    engine = load_engine(args)
     prompt = args.prompt
     if chat:
         if engine.tokenizer is None:

@@ -42,8 +42,10 @@ from .models.transformer import Transformer
 from .settings import DecodingSettings
 from .sampling import SamplingParams, adjust_logits, greedy_tokens, make_generator, process_logits, sample
 from .tokenizer import Detokenizer, Tokenizer
-from .verify import TokenTree, TreeVerdict, first_proven_rejection, verify_greedy, verify_greedy_best, \
-    verify_sampling, verify_tree_greedy, verify_tree_sampling
+from . import step as step_phases
+from .step import Emitted, Step, StepReport, log_probs
+from .verify import TokenTree, TreeVerdict, first_proven_rejection, verify_greedy, verify_sampling, \
+    verify_tree_greedy, verify_tree_sampling
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -234,7 +236,7 @@ def resolve_drafter(drafter: str, target: str, draft_p_min: float | None = None)
     draft model where lookup finds nothing (`ngram+DRAFT`), with the pair's confidence cut-off
     unless one is given; else prompt lookup, which the cost-aware draft length turns down where it
     finds nothing to copy. The lookup part costs nothing where it finds nothing, its weak matches
-    give way to the model (`Engine._learned_first`), and where the draft model does not read a long
+    give way to the model (`DraftController.learned_first`), and where the draft model does not read a long
     prompt (`policy.AskGate.reads`) lookup still drafts: on the pair's tuning prompts
     (scripts/draft_tuning_prompts.jsonl) the combination was as fast as the draft model alone on
     short prompts and 1.2-1.3x plain on the long summaries where the draft alone was plain."""
@@ -330,16 +332,6 @@ class Stats:
 
 
 @dataclass
-class Step:
-    """What one target pass produced, for --show-drafts."""
-
-    accepted: list[int]
-    next_token: int
-    kind: str  # "recovered" | "bonus" | "prefill"
-    drafted: int  # draft tokens the target scored (tree nodes for a tree)
-
-
-@dataclass
 class Generation:
     token_ids: list[int]
     text: str
@@ -422,22 +414,17 @@ class Row:
     sampling: SamplingParams
     generator: torch.Generator | None
     drafter: Drafter | None
-    rule: object  # a `policy` draft-length rule (next_k / update / k_max), or None without a drafter
+    control: policy.DraftController | None  # its drafting decisions (None without a drafter)
     tree: TreeShape | None
     stats: Stats
     screen: bool  # greedy on the raw head: chains screened (`Engine._screen`), tokens by `head_argmax`
-    keep_logits: bool  # hand out the raw logits of each emitted token (log-probs)
-    fixed_k: bool  # a seeded sampled row: its k ignores the load cap (its draws depend on k)
-    draft_cost: policy.DraftCost | None  # where its drafter's measured price per token goes
+    logprobs: int | None  # None: no log-probs; n >= 0: each emitted token's and n top alternatives'
     steps: list[Step] | None  # per-step record (`Generation.steps`), or None
     started: float = 0.0
     begun: bool = False  # prefilled: the drafter has had `begin`
-    read: bool = False  # the drafter has read the prompt (`Engine._reads`)
     # A learned drafter's row: the prompt's final hidden states from the prefill's chunks so far.
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)
     grammar: object = None  # a `structured.GrammarState` at the committed tokens, or None
-    # This step's `policy.ChainStop` for a self-sizing drafter, or None when it is not asked.
-    stop: object = None
 
     @property
     def context(self) -> list[int]:
@@ -446,29 +433,6 @@ class Row:
     @property
     def finished(self) -> bool:
         return self.out.finished
-
-
-@dataclass
-class Emitted:
-    """What one prefill or step pushed through one row's `Output`."""
-
-    tokens: list[int]  # pushed tokens (cut at EOS, a stop string or the limit)
-    text: str  # the text they added (cut before a stop string)
-    logits: torch.Tensor | None = None  # [len(tokens), vocab] raw logits that predicted them (keep_logits)
-    drafted: int = 0  # draft tokens the target scored for this row (tree nodes for a tree)
-    accepted: int = 0
-    depth: int = 0  # the draft's deepest position (a chain's length)
-
-
-@dataclass
-class StepReport:
-    """One step over a batch: per row what it emitted, and what the load rules learn from."""
-
-    emitted: list[Emitted]
-    width: int  # T: tokens per row in the forward, padding included
-    drafted: int  # draft tokens scored, over all rows
-    accepted: int
-    forward_s: float  # the target forward and its output head
 
 
 _DEFAULT = object()
@@ -649,7 +613,11 @@ class Engine:
         cache = self.new_cache(1, len(ids) + max_new_tokens + self.room(row) + 1)
         emit(self.prefill(row, cache).text)
         while not row.finished:
-            emit(self.step([row], cache).emitted[0].text)
+            emitted = self.step([row], cache).emitted[0]
+            if emitted.error is not None:
+                self.finish(row)
+                raise emitted.error
+            emit(emitted.text)
         self.finish(row)
         return Generation(row.out.ids, row.out.text, row.out.finish_reason, row.stats, row.steps)
 
@@ -696,7 +664,7 @@ class Engine:
         num_speculative_tokens: int | None = None,
         draft_tree: TreeShape | None | object = _DEFAULT,
         draft_length: str | None = None,
-        keep_logits: bool = False,
+        logprobs: int | None = None,
         record_steps: bool = False,
         grammar=None,
     ) -> Row:
@@ -716,10 +684,11 @@ class Engine:
             tree = None
         fixed_k = not sampling.greedy and sampling.seed is not None
         # Screening judges the raw head's columns: not for logits that are adjusted afterwards.
-        screen = (self.screen_verify and sampling.greedy and not keep_logits and not sampling.adjusts_logits
+        screen = (self.screen_verify and sampling.greedy and logprobs is None and not sampling.adjusts_logits
                   and grammar is None)
-        rule, cost = None, None
+        control = None
         if drafter is not None:
+            cost = None
             read = policy.DEFAULT_READ_COSTS[policy.hardware_kind(self.model)]
             if drafter.needs.model:
                 measured = drafter.draft_cost
@@ -732,11 +701,12 @@ class Engine:
             rule_cost = policy.DraftCost(read_prior=read) if cost is not None and fixed_k else cost
             rule = policy.row_rule(length, k, model=self.model, verify_cost=self.verify_cost,
                                    verify_overhead=self.verify_overhead, screened=screen, draft_cost=rule_cost)
+            control = policy.DraftController(drafter, rule, cost, fixed_k=fixed_k, tree=tree)
         eos = () if sampling.ignore_eos else self.model.config.eos_token_ids
         return Row(list(prompt_ids), Output(self.tokenizer, eos, list(stop), max_new_tokens),
-                   sampling, make_generator(sampling.seed, self.device), drafter, rule, tree,
-                   Stats(prompt_tokens=len(prompt_ids)), screen, keep_logits, fixed_k, cost,
-                   [] if record_steps else None, grammar=grammar)
+                   sampling, make_generator(sampling.seed, self.device), drafter, control, tree,
+                   Stats(prompt_tokens=len(prompt_ids)), screen, logprobs, [] if record_steps else None,
+                   grammar=grammar)
 
     def compile_structured(self, structured):
         """A fresh `structured.GrammarState` for a request's constraint (a spec or its dict form);
@@ -769,9 +739,7 @@ class Engine:
     @staticmethod
     def room(row: Row) -> int:
         """Cache slots a step may write past the row's committed tokens, lead token excluded."""
-        if row.drafter is None:
-            return 0
-        return row.tree.budget if row.tree is not None else row.rule.k_max
+        return 0 if row.control is None else row.control.room
 
     def finish(self, row: Row, now: float | None = None) -> None:
         """The row leaves: its drafter hears the output, its statistics are closed."""
@@ -868,11 +836,13 @@ class Engine:
         text = row.out.push(first)
         if row.grammar is not None:
             row.grammar.advance([first])
-        return Emitted([first], text, logits if row.keep_logits else None)
+        logprobs = None if row.logprobs is None else log_probs(logits[-1:], [first], row.logprobs)
+        return Emitted([first], text, logprobs)
 
     @torch.inference_mode()
     def step(self, rows: list[Row], cache: KVCache, cap: int | None = None) -> StepReport:
         """One decoding step for every row (unfinished, prefilled): rows[r] lives in cache row r.
+        The phases and how a row's fault stays in its row: `step.py`.
 
         A row may also join here with its prompt all in its cache row but the last token (a prefix
         cache hit) and nothing emitted yet: the step scores that token in its block and emits its
@@ -881,301 +851,7 @@ class Engine:
         `cap`: the batch's load cap on each row's draft length (`policy.LoadCap`); rows with a
         fixed k (seeded sampling) ignore it.
         """
-        # 1. Propose: each row with its own drafter and draft length; rows whose drafters share a
-        # batch key (a draft model's or an EAGLE head's rows) in one call, one model forward per
-        # draft position. A lookup-first row looks up first; where it finds nothing, its learned
-        # part joins that same batched forward (with the length the rule wants for LEARNED).
-        plans = [self._plan(row, cap) for row in rows]
-        batched: dict[int, tuple[Proposal, float]] = {}
-        groups: dict[int, list[tuple[int, Drafter, int]]] = {}  # key -> (row, drafter, k) of each member
-        for r, (row, plan) in enumerate(zip(rows, plans)):
-            if not isinstance(plan, int) or plan == 0 or (key := row.drafter.batch_key()) is None:
-                continue
-            k = plan
-            if row.drafter.needs.fallback:
-                started = time.perf_counter()
-                free = row.drafter.propose_free(row.context, plan, self._learned_first(row))
-                if free is not None:
-                    batched[r] = (free, time.perf_counter() - started)
-                    continue
-                if self._stops(row) and row.stop is None:  # its model is not asked this step
-                    batched[r] = (Proposal([], source=LEARNED), 0.0)
-                    continue
-                k = plan if self._stops(row) else min(plan, max(1, row.rule.next_k(LEARNED)))
-            groups.setdefault(id(key), []).append((r, row.drafter.batch_member(), k))
-        for members in groups.values():
-            if len(members) == 1 and not rows[members[0][0]].drafter.needs.fallback:
-                continue  # alone: `_draft` proposes it
-            started = time.perf_counter()
-            first = members[0][1]
-            made = first.propose_batch([d for _, d, _ in members], [rows[r].context for r, _, _ in members],
-                                       [k for _, _, k in members])
-            share = (time.perf_counter() - started) / len(members)
-            for (r, _, _), p in zip(members, made):
-                if rows[r].drafter.needs.fallback:
-                    p = Proposal(p.tokens, p.q, source=LEARNED)
-                batched[r] = (p, share)
-        drafts = [self._draft(row, plan, batched.get(r)) for r, (row, plan) in enumerate(zip(rows, plans))]
-        # 2. One target forward over the blocks [lead token] + drafts, each at its positions (the
-        # lead token is the last emitted one, not yet in the cache; tree node i is block position
-        # i + 1 at its depth's position), padded at the end to the widest block.
-        base = cache.lengths.tolist()  # [n] each row's committed length = its lead token's position
-        blocks, places = [], []
-        for row, (tree, _, _), b in zip(rows, drafts, base):
-            if not row.out.ids:  # joining (see `step`): its prompt's last token, where prefill_last puts it
-                if b != len(row.prompt) - 1 or (row.drafter is not None and row.drafter.needs.observes is not None):
-                    raise ValueError("a row joins a step holding its prompt but the last token, without a "
-                                     "drafter that observes the prompt")
-                row.started = row.started or time.perf_counter()
-            blocks.append([row.out.ids[-1] if row.out.ids else row.prompt[-1]] + tree.tokens)
-            places.append([b] + [b + d for d in tree.depths()])
-        width = max(len(block) for block in blocks)
-        tokens = torch.tensor([blk + [blk[-1]] * (width - len(blk)) for blk in blocks], device=self.device)  # [n, T]
-        positions = torch.tensor([p + list(range(p[-1] + 1, p[-1] + 1 + width - len(p))) for p in places],
-                                 device=self.device)  # [n, T]
-        mask = None  # chains need only the causal mask; a tree row lets each node see its ancestors
-        if not all(tree.is_chain for tree, _, _ in drafts):
-            mask = torch.ones(width, width, dtype=torch.bool).tril().repeat(len(rows), 1, 1)  # [n, T, T]
-            for r, (tree, _, _) in enumerate(drafts):
-                if not tree.is_chain:
-                    mask[r, : len(tree) + 1, : len(tree) + 1] = tree.mask()
-            mask = mask.to(self.device)
-        started = time.perf_counter()
-        # The output head (a large share of a step with a big vocabulary) runs on the real rows of
-        # blocks only, not on padding, and not at all on the rows a screened verify never needs.
-        # Rows verified greedily on the raw head (`row.screen`) need only its argmax, which an int8
-        # head finds exactly at about half the work of its full product (`head_argmax`); their rows
-        # go through one call together, as the other rows' logits do.
-        _, hidden = self.model(tokens, positions, cache, mask=mask, last_n=0)  # hidden: [n, T, h]
-        best_of = {r: len(blocks[r]) for r, (row, (tree, _, _)) in enumerate(zip(rows, drafts))
-                   if row.screen and tree.is_chain}  # row -> how many block rows need the argmax
-        for r, (tree, _, _) in enumerate(drafts):
-            if r in best_of and len(tree) > 0:
-                best_of[r] = 1 + self._screen(hidden[r, : len(tree)], tree.tokens, rows[r].context)
-        full = [r for r in range(len(rows)) if r not in best_of]
-        logits_of = {}
-        if len(full) == 1:
-            r = full[0]
-            logits_of[r] = self.model.head(hidden[r, : len(blocks[r])])  # [len(block), vocab]
-        elif full:
-            joined = self.model.head(torch.cat([hidden[r, : len(blocks[r])] for r in full]))  # [sum, vocab]
-            offset = 0
-            for r in full:
-                logits_of[r] = joined[offset : offset + len(blocks[r])]
-                offset += len(blocks[r])
-        picked = {}  # row -> the head's argmax of its first best_of[r] block rows
-        if best_of:
-            best = self._head_argmax(torch.cat([hidden[r, :m] for r, m in best_of.items()]))
-            offset = 0
-            for r, m in best_of.items():
-                picked[r] = best[offset : offset + m]
-                offset += m
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        forward_s = time.perf_counter() - started
-        # 3. Per row: verify, roll back, hear back, emit.
-        emitted, drafted, accepted = [], 0, 0
-        for r, (row, (tree, q, source)) in enumerate(zip(rows, drafts)):
-            row.stats.target_forwards += 1
-            if not row.out.ids:  # joining: its first token, as `prefill_last` would give it
-                cache.truncate(base[r] + 1, row=r)  # its prompt; not the padding of a wider block
-                emitted.append(self._first_token(row, logits_of.get(r), picked[r][0] if r in picked else None))
-                continue
-            if r in picked:
-                v = verify_greedy_best(picked[r], tree.tokens)
-                verdict = TreeVerdict(v.accepted, v.next_token, v.kind, path=list(range(v.num_accepted)))
-            else:
-                verdict = self._verify_tree(logits_of[r], tree, q, row)
-            # Roll back: keep the lead token and the accepted path; the verdict's next token leads
-            # the following block. A chain's path is a prefix of the block, so moving the length is
-            # enough; a tree's path is packed into consecutive slots first.
-            keep = [0] + [i + 1 for i in verdict.path]  # block positions, increasing
-            if verdict.path == list(range(verdict.num_accepted)):
-                cache.truncate(base[r] + len(keep), row=r)
-            else:
-                cache.compact(keep, base[r], row=r)
-            depth = max(tree.depths(), default=0)
-            row.stats.count(len(tree), verdict.num_accepted, depth)
-            drafted += len(tree)
-            accepted += verdict.num_accepted
-            if row.drafter is not None:
-                if row.drafter.needs.observes is not None:
-                    row.drafter.observe(hidden[r, keep])  # lead token + accepted path, in order
-                row.drafter.feedback(verdict.num_accepted)
-                if self._stops(row):
-                    self._hear_ask(row, len(tree), verdict.num_accepted, source)
-                if len(tree):
-                    row.rule.update(len(tree), verdict.num_accepted, source)
-                    # A drafter's price is relative to a plain step: learnt where the pass's modelled
-                    # cost in plain steps is known (a batch of one under the cost rule).
-                    if row.draft_cost is not None and len(rows) == 1 and isinstance(row.rule,
-                                                                                   policy.CostAwareDraftLength):
-                        row.draft_cost.observe_step(forward_s, row.rule.step_cost(len(tree), source))
-            if row.steps is not None:
-                row.steps.append(Step(list(verdict.accepted), verdict.next_token, verdict.kind, len(tree)))
-            kept, text = [], ""
-            for token in verdict.tokens:
-                text += row.out.push(token)
-                kept.append(token)
-                if row.out.finished:
-                    break
-            if row.grammar is not None:
-                row.grammar.advance(kept)
-            row_logits = logits_of[r][keep][: len(kept)] if row.keep_logits else None
-            emitted.append(Emitted(kept, text, row_logits, len(tree), verdict.num_accepted, depth))
-        return StepReport(emitted, width, drafted, accepted, forward_s)
-
-    def _plan(self, row: Row, cap: int | None) -> int | TokenTree:
-        """How many tokens the row asks its drafter for this step (0: none), or, for a tree row,
-        its proposed tree (tree drafting is not batched)."""
-        drafter = row.drafter
-        row.stop = None
-        # Never draft past the token allowance: those tokens could not be emitted.
-        limit = row.out.remaining if (cap is None or row.fixed_k) else min(row.out.remaining, cap)
-        if drafter is None or limit <= 0 or not row.out.ids:  # (a joining row's drafter has not begun)
-            return 0
-        if row.tree is not None:
-            shape = row.tree
-            budget = min(shape.budget, limit) if cap is not None and not row.fixed_k else shape.budget
-            tree = drafter.propose_tree(row.context, min(shape.depth, limit), shape.top_k, budget)
-            if len(tree) > budget:
-                raise ValueError(f"{drafter.name} proposed {len(tree)} tree nodes, over the budget of {budget}")
-            return tree
-        if self._stops(row):
-            # A drafter that sizes its chains by their price (a draft model's confidence): hand it
-            # this step's price and ask for the most the rule allows, if asking has paid so far
-            # (`policy.AskGate`; a lookup-first row still looks up when its model is not asked).
-            rule = row.rule
-            if rule.gate.asks() and self._reads(row):
-                d = 0.0 if rule.draft_cost is None else rule.draft_cost.per_token(self._model_source(row))
-                row.stop = policy.ChainStop(rule.verify_cost, rule.verify_overhead, rule.screened_share, d,
-                                            max(1.0, rule.gate.value()))
-            drafter.stop_by(row.stop)
-            return min(rule.k_max, limit) if row.stop is not None or drafter.needs.labels_proposals else 0
-        if drafter.needs.stops:
-            drafter.stop_by(None)  # a fixed or adaptive length: the k asked for
-        if drafter.needs.labels_proposals:
-            # A lookup's kind is known once it is found, and looking up is free: ask for the most
-            # the rule may keep, then keep what it wants for that kind (`_draft`).
-            k = min(row.rule.k_max, limit)
-        else:
-            # The kind of guess is known before asking (one kind): nothing to propose when the rule
-            # wants no draft (a model drafter's forward would be spent for nothing).
-            k = min(row.rule.next_k(), limit)
-        if k and (unread := drafter.pending(row.context)):
-            self._read(row, unread)  # a fixed length reads whatever it costs, timed apart
-        return k
-
-    def _reads(self, row: Row) -> bool:
-        """For a row whose self-sizing drafter the gate would ask: whether the context it has not
-        read yet (the prompt, before the first ask; what was emitted while it was not asked) is
-        worth reading for the answer's remaining tokens (`policy.AskGate.reads`), and if so read
-        it now. False: the drafter is not asked this step (nor, for a prompt too long to pay
-        back, later: the allowance only shrinks). Only the prompt's read is weighed: a catch-up
-        after a pause is part of the probe the gate chose to make, and weighing it against the
-        stale value that the probe is there to refresh would put the probe off."""
-        unread = row.drafter.pending(row.context)
-        if not unread:
-            row.read = True  # a short prompt: read along with the first proposal
-            return True
-        rule = row.rule
-        price = rule.draft_cost.per_read_token() if rule.draft_cost is not None else 0.0
-        if not row.read and not rule.gate.reads(unread, row.out.remaining, price):
-            return False
-        self._read(row, unread)
-        return True
-
-    @staticmethod
-    def _read(row: Row, unread: int) -> None:
-        """The drafter reads its pending context, timed as reading (`DraftCost.observe_read`), not
-        as drafting: a prompt's read in the first proposal's time would price every draft token
-        of the drafter out."""
-        started = time.perf_counter()
-        row.drafter.read(row.context)
-        row.read = True
-        if row.draft_cost is not None and not row.fixed_k:
-            row.draft_cost.observe_read(unread, time.perf_counter() - started)
-
-    @staticmethod
-    def _stops(row: Row) -> bool:
-        """Whether the row's drafter sizes its own chains by their price (`ChainStop`), under the
-        cost rule; a fixed or adaptive length is the k asked for."""
-        return row.drafter.needs.stops and isinstance(row.rule, policy.CostAwareDraftLength)
-
-    @staticmethod
-    def _model_source(row: Row) -> object:
-        """`Proposal.source` of the drafts a row's model drafter makes (LEARNED in a lookup-first
-        combination, None alone)."""
-        return LEARNED if row.drafter.needs.labels_proposals else None
-
-    def _learned_first(self, row: Row):
-        """For a lookup-first row whose model sizes its own chains and is asked this step: a test of
-        a lookup guess's kind, True where the model's asks have been worth more per plain step
-        (`AskGate.value`) than that kind at its best length (`CostAwareDraftLength.value`);
-        otherwise None (lookup's guess first, as ever)."""
-        if not self._stops(row) or row.stop is None:
-            return None
-        rule = row.rule
-        learned = rule.gate.value()
-        return lambda source: learned > rule.value(source)
-
-    def _hear_ask(self, row: Row, drafted: int, accepted: int, source: object) -> None:
-        """The ask gate hears what this step's ask of a self-sizing drafter gained and cost, or
-        that it was not asked (a lookup's proposal in its place says neither)."""
-        gate = row.rule.gate
-        if row.stop is None:
-            gate.observe_skip()
-        elif source == self._model_source(row):
-            stop = row.stop
-            cost = stop.draft_cost * stop.looked
-            if drafted:
-                cost += stop.verify_overhead + stop.verify_cost * drafted
-            gate.observe_ask(accepted, cost)
-
-    def _draft(self, row: Row, plan: int | TokenTree, made: tuple[Proposal, float] | None
-               ) -> tuple[TokenTree, torch.Tensor | None, object]:
-        """This step's drafts as a tree (a chain is a path), their q ([nodes, vocab] or None) and
-        the proposal's `source` (what kind of guess it is, for the draft-length rule). `made`: the
-        row's proposal from a batched call, with its share of that call's time.
-
-        Tree candidates are deterministic given the context (`propose_tree`), so a tree carries no
-        q: verification treats each node as one-hot, which is exact.
-        """
-        if isinstance(plan, TokenTree):
-            return plan, None, None
-        k = plan
-        if k == 0:
-            return TokenTree([], []), None, None
-        drafter, rule = row.drafter, row.rule
-        if made is not None:
-            proposal, seconds = made
-        else:
-            started = time.perf_counter()
-            if drafter.needs.fallback:
-                # Where lookup finds nothing, the learned drafter drafts what the rule wants for
-                # its kind (a fixed length: k).
-                if self._stops(row):
-                    fallback = k if row.stop is not None else 0
-                else:
-                    fallback = max(1, rule.next_k(LEARNED))
-                proposal = drafter.propose(row.context, k, fallback_k=fallback, learned_first=self._learned_first(row))
-            else:
-                proposal = drafter.propose(row.context, k)
-            seconds = time.perf_counter() - started
-        if row.draft_cost is not None and not row.fixed_k:
-            # A self-sized chain's price is per draft forward (positions its stop read), which is
-            # what its stop weighs; per drafted token it would count the forward that found the
-            # chain not worth going on, and price itself out.
-            forwards = len(proposal.tokens)
-            if row.stop is not None and proposal.source == self._model_source(row):
-                forwards = row.stop.looked
-            row.draft_cost.observe_draft(proposal.source, forwards, seconds)
-        if not (self._stops(row) and proposal.source == self._model_source(row)):
-            k = min(k, rule.next_k(proposal.source))
-        elif row.stop is not None and not row.stop.worth():
-            k = 0  # a self-sized chain keeps what it drafted, if it beats a plain step at all
-        q = None if proposal.q is None else proposal.q[:k]
-        return TokenTree.chain(proposal.tokens[:k]), q, proposal.source
+        return step_phases.run(self, rows, cache, cap)
 
     # -- verification ---------------------------------------------------------------------------
 

@@ -6,6 +6,10 @@ status that object gets, `error_type` its `type`, and `code` its `code` (as in O
 short string such as "unsupported_parameter", or None).
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+
 
 class SpecdecError(Exception):
     """Base of every error specdec raises on purpose."""
@@ -32,3 +36,26 @@ class ModelLoadError(SpecdecError):
 
     http_status = 500
     error_type = "model_load_error"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What a request that failed inside the decoding loop is told: its own error and nothing else.
+
+    A `SpecdecError` of the request's own making (its status below 500) says what was wrong with
+    the request, as a 400 would have; anything else is a fault of the server, told only as such
+    with the request's id, since an exception's text may hold data the request never sent (the
+    full traceback goes to the server's log under that id).
+    """
+
+    status: int
+    type: str
+    message: str
+    param: str | None = None
+
+    @classmethod
+    def of(cls, exc: BaseException, request_id: object) -> "Fault":
+        if isinstance(exc, SpecdecError) and exc.http_status < 500:
+            return cls(exc.http_status, exc.error_type, str(exc), getattr(exc, "param", None))
+        return cls(500, "internal_error", f"internal error while generating request {request_id}; "
+                   "the server's log has the details")

@@ -30,9 +30,13 @@ over the answer's remaining tokens (`AskGate.reads`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+from .drafters.base import Proposal
+from .drafters.combined import LEARNED
 from .errors import InvalidRequestError
+from .verify import TokenTree
 
 DRAFT_LENGTHS = ("fixed", "adaptive", "cost")
 # The cost-aware draft length's step-cost model, 1 + overhead + cost * k for a verify pass over k
@@ -143,6 +147,8 @@ class DraftCost:
 class FixedDraftLength:
     """Always `k_max` tokens (a tree's fixed shape, `draft_length="fixed"`)."""
 
+    priced = False  # k does not follow the step's price (`CostAwareDraftLength`'s does)
+
     k_max: int
 
     def next_k(self, source: object = None) -> int:
@@ -161,6 +167,8 @@ class AdaptiveDraftLength:
     fewer (down to 1). A step with nothing proposed (a lookup drafter found no match) says nothing
     about draft quality, so `k` stays as it is.
     """
+
+    priced = False
 
     k: int  # the current draft length; starts at the configured k
     k_max: int
@@ -225,6 +233,7 @@ class CostAwareDraftLength:
     prior_accepted: float = 1.5
     prior_rejected: float = 1.0
     draft_cost: DraftCost | None = None  # None: drafting is free (lookup)
+    priced = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.k_max) or self.k_max < 1:
@@ -434,6 +443,182 @@ def row_rule(draft_length: str, k: int, *, model=None, verify_cost: float | None
         share = SCREENED_SHARE.get(kind, 0.0) if screened else 0.0
         return CostAwareDraftLength(k, cost, overhead, share, draft_cost=draft_cost)
     return FixedDraftLength(k)
+
+
+class DraftController:
+    """One row's drafting decisions, owned by the row: how many tokens its drafter is asked for
+    (its draft-length rule under the batch's cap; a self-sizing drafter's chain stop and ask gate),
+    when its drafter reads the context it has not seen, what a draft token costs (`DraftCost`),
+    and what each verdict teaches them. The step asks `plan` and `draft` before its forward and
+    tells `hear` after verification; nothing outside looks at the rule's kind.
+    """
+
+    def __init__(self, drafter, rule, cost: DraftCost | None, *, fixed_k: bool, tree=None):
+        self.drafter, self.rule, self.cost, self.fixed_k, self.tree = drafter, rule, cost, fixed_k, tree
+        # Whether the drafter sizes its own chains by their price (`ChainStop`), under a priced
+        # rule; under a fixed or adaptive length it drafts the k asked for.
+        self.stops = drafter.needs.stops and rule.priced
+        # `Proposal.source` of the drafts its model makes (LEARNED in a lookup-first combination).
+        self.model_source = LEARNED if drafter.needs.labels_proposals else None
+        self.stop: ChainStop | None = None  # this step's, or None when the drafter is not asked
+        self.read = False  # the drafter has read the prompt (`_reads`)
+
+    @property
+    def room(self) -> int:
+        """Cache slots a step may write past the row's committed tokens, lead token excluded."""
+        return self.tree.budget if self.tree is not None else self.rule.k_max
+
+    @property
+    def asked(self) -> bool:
+        """False for a self-sizing drafter that is not asked this step (the gate said no)."""
+        return not (self.stops and self.stop is None)
+
+    def plan(self, context: list[int], remaining: int, cap: int | None) -> int | TokenTree:
+        """How many tokens the drafter is asked for this step (0: none), or, for a tree row, its
+        proposed tree (tree drafting is not batched). `remaining`: the row's token allowance
+        (never drafted past: those tokens could not be emitted); `cap`: the batch's load cap,
+        which a seeded sampled row ignores (its draws depend on k)."""
+        drafter = self.drafter
+        self.stop = None
+        limit = remaining if (cap is None or self.fixed_k) else min(remaining, cap)
+        if limit <= 0:
+            return 0
+        if self.tree is not None:
+            shape = self.tree
+            budget = min(shape.budget, limit) if cap is not None and not self.fixed_k else shape.budget
+            tree = drafter.propose_tree(context, min(shape.depth, limit), shape.top_k, budget)
+            if len(tree) > budget:
+                raise ValueError(f"{drafter.name} proposed {len(tree)} tree nodes, over the budget of {budget}")
+            return tree
+        if self.stops:
+            # Hand the drafter this step's price and ask for the most the rule allows, if asking
+            # has paid so far (`AskGate`; a lookup-first row still looks up when its model is not).
+            rule = self.rule
+            if rule.gate.asks() and self._reads(context, remaining):
+                d = 0.0 if rule.draft_cost is None else rule.draft_cost.per_token(self.model_source)
+                self.stop = ChainStop(rule.verify_cost, rule.verify_overhead, rule.screened_share, d,
+                                      max(1.0, rule.gate.value()))
+            drafter.stop_by(self.stop)
+            return min(rule.k_max, limit) if self.stop is not None or drafter.needs.labels_proposals else 0
+        if drafter.needs.stops:
+            drafter.stop_by(None)  # a fixed or adaptive length: the k asked for
+        if drafter.needs.labels_proposals:
+            # A lookup's kind is known once it is found, and looking up is free: ask for the most
+            # the rule may keep, then keep what it wants for that kind (`draft`).
+            k = min(self.rule.k_max, limit)
+        else:
+            # One kind of guess, known before asking: nothing to propose when the rule wants no
+            # draft (a model drafter's forward would be spent for nothing).
+            k = min(self.rule.next_k(), limit)
+        if k and (unread := drafter.pending(context)):
+            self._read(context, unread)  # a fixed length reads whatever it costs, timed apart
+        return k
+
+    def _reads(self, context: list[int], remaining: int) -> bool:
+        """For a self-sizing drafter the gate would ask: whether the context it has not read yet
+        (the prompt, before the first ask; what was emitted while it was not asked) is worth
+        reading for the answer's `remaining` tokens (`AskGate.reads`), and if so read it now.
+        False: it is not asked this step (nor, for a prompt too long to pay back, later: the
+        allowance only shrinks). Only the prompt's read is weighed: a catch-up after a pause is
+        part of the probe the gate chose to make, and weighing it against the stale value that
+        the probe is there to refresh would put the probe off."""
+        unread = self.drafter.pending(context)
+        if not unread:
+            self.read = True  # a short prompt: read along with the first proposal
+            return True
+        rule = self.rule
+        price = rule.draft_cost.per_read_token() if rule.draft_cost is not None else 0.0
+        if not self.read and not rule.gate.reads(unread, remaining, price):
+            return False
+        self._read(context, unread)
+        return True
+
+    def _read(self, context: list[int], unread: int) -> None:
+        """The drafter reads its pending context, timed as reading (`DraftCost.observe_read`), not
+        as drafting: a prompt's read in the first proposal's time would price every draft token
+        of the drafter out."""
+        started = time.perf_counter()
+        self.drafter.read(context)
+        self.read = True
+        if self.cost is not None and not self.fixed_k:
+            self.cost.observe_read(unread, time.perf_counter() - started)
+
+    def learned_first(self):
+        """For a lookup-first row whose model sizes its own chains and is asked this step: a test of
+        a lookup guess's kind, True where the model's asks have been worth more per plain step
+        (`AskGate.value`) than that kind at its best length (`CostAwareDraftLength.value`);
+        otherwise None (lookup's guess first, as ever)."""
+        if not self.stops or self.stop is None:
+            return None
+        rule = self.rule
+        learned = rule.gate.value()
+        return lambda source: learned > rule.value(source)
+
+    def learned_k(self, plan: int) -> int:
+        """The length a lookup-first row's learned part drafts where lookup found nothing."""
+        return plan if self.stops else min(plan, max(1, self.rule.next_k(LEARNED)))
+
+    def draft(self, context: list[int], plan: int | TokenTree, made: tuple[Proposal, float] | None):
+        """This step's drafts as a tree (a chain is a path), their q ([nodes, vocab] or None) and
+        the proposal's `source` (what kind of guess it is). `made`: the row's proposal from a
+        batched call, with its share of that call's time. Tree candidates are deterministic given
+        the context (`propose_tree`), so a tree carries no q: each node is verified as one-hot."""
+        if isinstance(plan, TokenTree):
+            return plan, None, None
+        k = plan
+        if k == 0:
+            return TokenTree([], []), None, None
+        drafter, rule = self.drafter, self.rule
+        if made is not None:
+            proposal, seconds = made
+        else:
+            started = time.perf_counter()
+            if drafter.needs.fallback:
+                # Where lookup finds nothing, the learned drafter drafts what the rule wants for
+                # its kind (a fixed length: k).
+                fallback = (k if self.stop is not None else 0) if self.stops else max(1, rule.next_k(LEARNED))
+                proposal = drafter.propose(context, k, fallback_k=fallback, learned_first=self.learned_first())
+            else:
+                proposal = drafter.propose(context, k)
+            seconds = time.perf_counter() - started
+        if self.cost is not None and not self.fixed_k:
+            # A self-sized chain's price is per draft forward (positions its stop read), which is
+            # what its stop weighs; per drafted token it would count the forward that found the
+            # chain not worth going on, and price itself out.
+            forwards = len(proposal.tokens)
+            if self.stop is not None and proposal.source == self.model_source:
+                forwards = self.stop.looked
+            self.cost.observe_draft(proposal.source, forwards, seconds)
+        if not (self.stops and proposal.source == self.model_source):
+            k = min(k, rule.next_k(proposal.source))
+        elif self.stop is not None and not self.stop.worth():
+            k = 0  # a self-sized chain keeps what it drafted, if it beats a plain step at all
+        q = None if proposal.q is None else proposal.q[:k]
+        return TokenTree.chain(proposal.tokens[:k]), q, proposal.source
+
+    def hear(self, drafted: int, accepted: int, source: object, step_seconds: float, batch: int) -> None:
+        """What this step's verdict teaches: the ask gate (a self-sizing drafter), the rule's
+        acceptance per kind, and, where the pass's modelled cost in plain steps is known (a batch
+        of one under the priced rule), the drafter's price relative to a plain step."""
+        if self.stops:
+            self._hear_ask(drafted, accepted, source)
+        if drafted:
+            self.rule.update(drafted, accepted, source)
+            if self.cost is not None and batch == 1 and self.rule.priced:
+                self.cost.observe_step(step_seconds, self.rule.step_cost(drafted, source))
+
+    def _hear_ask(self, drafted: int, accepted: int, source: object) -> None:
+        """The ask gate hears what this step's ask gained and cost, or that it was not asked (a
+        lookup's proposal in its place says neither)."""
+        gate = self.rule.gate
+        if self.stop is None:
+            gate.observe_skip()
+        elif source == self.model_source:
+            stop = self.stop
+            cost = stop.draft_cost * stop.looked
+            if drafted:
+                cost += stop.verify_overhead + stop.verify_cost * drafted
+            gate.observe_ask(accepted, cost)
 
 
 # -- under load: the batch's caps ---------------------------------------------------------------

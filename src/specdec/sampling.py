@@ -24,6 +24,10 @@ from torch import Tensor
 from .errors import InvalidRequestError
 
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32, ~1.18e-38
+_FLOAT32_MAX = torch.finfo(torch.float32).max  # ~3.4e38
+# The repetition penalty divides (or multiplies) raw logits: beyond this range it says nothing more
+# than "never" or "always" again, and near float32's limits a logit overflows to inf (then NaN).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,7 @@ class SamplingParams:
     # negative ones) every token of prompt and output.
     frequency_penalty: float = 0.0  # in [-2, 2]; 0 = off
     presence_penalty: float = 0.0  # in [-2, 2]; 0 = off
-    repetition_penalty: float = 1.0  # > 0; 1 = off
+    repetition_penalty: float = 1.0  # in REPETITION_PENALTY_RANGE; 1 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is accepted
     min_tokens: int = 0  # EOS is masked until this many tokens were generated
     ignore_eos: bool = False  # EOS does not end the output (it is emitted like any token)
@@ -71,9 +75,10 @@ class SamplingParams:
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
         finite_number("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
-                                      "repetition_penalty")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise InvalidRequestError(f"repetition_penalty must be in [{low:g}, {high:g}], got "
+                                      f"{self.repetition_penalty}", "repetition_penalty")
         integer("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
@@ -182,8 +187,11 @@ def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     # maximum), so such a T divides in float64, where it is exact; the quotients then round to
     # float32 as 0 at the maximum and -inf (probability 0) almost everywhere else. That is the
     # limit of softmax(l / T) as T -> 0: all the mass on the argmax (shared evenly by exact ties).
+    # A T above float32's range (1e39 is valid input) would round to inf as a float32 divisor
+    # (-inf / inf = NaN at a masked token): it too divides in float64, toward the limit as
+    # T -> inf, every allowed token alike.
     shifted = logits - logits.amax(-1, keepdim=True)  # [..., vocab], <= 0
-    if params.temperature >= _FLOAT32_TINY:
+    if _FLOAT32_TINY <= params.temperature <= _FLOAT32_MAX:
         logits = shifted / params.temperature
     else:
         logits = (shifted.double() / params.temperature).float()

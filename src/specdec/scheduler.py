@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -104,16 +105,18 @@ from .drafters import NgramDrafter, SuffixDrafter
 from .drafters.base import Drafter, TreeShape
 from .drafters.combined import lookup_first
 from .engine import Emitted, Engine, Row, Stats
-from .errors import InvalidRequestError, SpecdecError
+from .errors import Fault, InvalidRequestError, SpecdecError
 from .models.transformer import Transformer
 from .policy import GoodputModel, LoadCap
 from .prefix_cache import SHARED, Partition, PrefixCache
 from .sampling import SamplingParams
+from .step import TokenLogprob
 from .tokenizer import Tokenizer
 
 LOOKUP_DRAFTERS = ("none", "ngram", "suffix")
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens prefilled per step while rows run (0: whole prompts)
 DEFAULT_PREFIX_CACHE_TOKENS = 16384  # the server's prefix store, in cached tokens (0: off)
+log = logging.getLogger("specdec.scheduler")
 
 
 def serving_drafters(name: str = "none", target: Transformer | None = None, tokenizer: Tokenizer | None = None,
@@ -178,15 +181,6 @@ class Request:
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
-    """The target's own log-probability (log-softmax of its raw logits) of one emitted token."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]  # the `logprobs` most likely tokens at that position, best first
-
-
-@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
@@ -214,7 +208,7 @@ class Delta:
     usage: Usage | None = None  # on the last delta
     stats: Stats | None = None  # on the last delta: this request's speculation statistics
     timing: Timing | None = None  # on the last delta
-    error: str | None = None  # finish_reason == "error": what went wrong
+    error: Fault | None = None  # finish_reason == "error": what this request is told went wrong
 
 
 @dataclass(frozen=True)
@@ -228,6 +222,7 @@ class Completion:
     usage: Usage
     stats: Stats | None
     timing: Timing | None
+    error: Fault | None = None  # finish_reason == "error"
 
 
 class RequestHandle:
@@ -286,7 +281,7 @@ class RequestHandle:
         if any(d.logprobs is not None for d in deltas):
             logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
         return Completion("".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids], logprobs,
-                          last.finish_reason, last.usage, last.stats, last.timing)
+                          last.finish_reason, last.usage, last.stats, last.timing, last.error)
 
     def result(self) -> Completion:
         """Block until done (no event loop) and return everything."""
@@ -305,6 +300,7 @@ class _Sequence:
     first_token: float | None = None
     looked_up: tuple | None = None  # (its prefix cache lookup,) when done ahead of its prefill
     cached: int = 0  # prompt tokens copied from the prefix cache at admission
+    alone: bool = False  # prefilled by itself: a shared prefill with it failed
 
     @property
     def request(self) -> Request:
@@ -458,7 +454,7 @@ class BatchScheduler:
         row = self.engine.new_row(request.prompt_ids, max_new_tokens=request.max_new_tokens,
                                   sampling=request.sampling, stop=list(request.stop), drafter=drafter,
                                   num_speculative_tokens=k, draft_tree=self.draft_trees.get(name),
-                                  keep_logits=request.logprobs is not None, grammar=request.grammar)
+                                  logprobs=request.logprobs, grammar=request.grammar)
         seq = _Sequence(handle, time.perf_counter(), row)
         with self._lock:
             if self._stopping:
@@ -526,13 +522,24 @@ class BatchScheduler:
                 self._prefill_some()
                 if self._running:
                     self._decode_step()
-        except Exception as exc:  # a real fault: fail what is in flight, keep serving
-            message = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 (a fault of the loop itself, not of one row: a bug)
+            held = ([self._prefilling] if self._prefilling is not None else []) + list(self._running)
+            log.error("the scheduler loop failed; failing requests %s", [s.handle.id for s in held], exc_info=exc)
             if self._prefilling is not None:
-                self._drop_prefilling("error", message)
+                self._drop_prefilling("error", Fault.of(RuntimeError(), self._prefilling.handle.id))
             for seq in list(self._running):
-                self._leave(seq, "error", message)
+                self._leave(seq, "error", Fault.of(RuntimeError(), seq.handle.id))
         return True
+
+    @staticmethod
+    def _fault(seq: _Sequence, exc: BaseException, where: str) -> Fault:
+        """What `seq` is told of `exc`, raised by its own work (`errors.Fault`); logged in full."""
+        fault = Fault.of(exc, seq.handle.id)
+        if fault.status >= 500:
+            log.error("request %s failed in %s", seq.handle.id, where, exc_info=exc)
+        else:
+            log.info("request %s refused in %s: %s", seq.handle.id, where, fault.message)
+        return fault
 
     def _occupied(self) -> int:
         """Batch rows taken or promised: running, being prefilled, admitted and waiting for it."""
@@ -551,10 +558,10 @@ class BatchScheduler:
                 head = self._ready[0]
                 found = head.looked_up[0] if head.looked_up is not None else self._lookup(head)
                 head.looked_up = None
-                if self._running and self._last_only(head, found):
+                if self._running and not head.alone and self._last_only(head, found):
                     self._join_cached(found)
                     continue
-                if len(self._ready) > 1 and self._last_only(head, found):
+                if len(self._ready) > 1 and not head.alone and self._last_only(head, found):
                     self._prefill_cached(found, budget)
                     if budget is not None:
                         return
@@ -564,7 +571,13 @@ class BatchScheduler:
             r = len(self._running)
             view = self.cache.rows(r + 1, r)
             done = view.length()
-            emitted = self.engine.prefill(seq.row, view, None if budget is None else done + budget)
+            try:
+                emitted = self.engine.prefill(seq.row, view, None if budget is None else done + budget)
+            except Exception as exc:  # noqa: BLE001 (this prompt's fault alone: it leaves, the rest go on)
+                self._drop_prefilling("error", self._fault(seq, exc, "its prefill"))
+                if budget is not None:
+                    return
+                continue
             self.counters.prefill_forwards += 1
             if emitted is not None:
                 if self.prefix_cache is not None:
@@ -630,11 +643,12 @@ class BatchScheduler:
             batch.append(seq)
         try:
             emitted = self.engine.prefill_last([seq.row for seq in batch], self.cache.rows(r + len(batch), r))
-        except Exception as exc:  # fail these rows; run_once fails what else is in flight
+        except Exception:  # noqa: BLE001 (narrowed down: each prompt again by itself, its fault its own)
             for j, seq in enumerate(batch):
                 self.cache.truncate(0, row=r + j)
-                self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-            raise
+                seq.alone = True
+            self._ready.extendleft(reversed(batch))
+            return
         self.counters.prefill_forwards += 1
         self._running.extend(batch)
         done = [seq for seq, e in zip(batch, emitted) if self._emit(seq, e)]
@@ -670,7 +684,7 @@ class BatchScheduler:
                 return
             nxt.looked_up = None
 
-    def _drop_prefilling(self, reason: str, error: str | None = None) -> None:
+    def _drop_prefilling(self, reason: str, error: Fault | None = None) -> None:
         seq, self._prefilling = self._prefilling, None
         self.cache.truncate(0, row=len(self._running))
         self._finish(seq, reason, error)
@@ -685,11 +699,16 @@ class BatchScheduler:
         self.counters.steps += 1
         self.counters.step_rows += n
         self.counters.step_tokens += n * report.width
-        done = []
+        done, failed = [], []
         for seq, emitted in zip(self._running, report.emitted):
+            if emitted.error is not None:
+                failed.append((seq, self._fault(seq, emitted.error, "a decoding step")))
+                continue
             self.counters.spec.count(emitted.drafted, emitted.accepted, emitted.depth)
             if self._emit(seq, emitted):
                 done.append(seq)
+        for seq, fault in failed:
+            self._leave(seq, "error", fault)
         for seq in done:
             self._leave(seq, seq.row.out.finish_reason)
 
@@ -697,15 +716,8 @@ class BatchScheduler:
         """Send what the core pushed through the request's `Output` as one delta. True when finished."""
         if seq.first_token is None:
             seq.first_token = time.perf_counter()
-        kept = emitted.tokens
+        kept, logprobs = emitted.tokens, emitted.logprobs
         self.counters.generation_tokens += len(kept)
-        logprobs = None
-        if seq.request.logprobs is not None:
-            logp = torch.log_softmax(emitted.logits.float(), dim=-1)  # [len(kept), vocab]
-            chosen = logp[torch.arange(len(kept)), torch.tensor(kept)].tolist()
-            top = logp.topk(seq.request.logprobs, dim=-1) if seq.request.logprobs else None
-            logprobs = [TokenLogprob(t, lp, list(zip(top.indices[i].tolist(), top.values[i].tolist())) if top else [])
-                        for i, (t, lp) in enumerate(zip(kept, chosen))]
         out = seq.row.out
         if not out.finished:
             seq.handle._put(Delta(out.take_text(), kept, logprobs))
@@ -713,7 +725,7 @@ class BatchScheduler:
         self._finish(seq, out.finish_reason, text=out.take_text(), tokens=kept, logprobs=logprobs)
         return True
 
-    def _leave(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
+    def _leave(self, seq: _Sequence, reason: str, error: Fault | None = None) -> None:
         """Take `seq` out of the batch, keeping the running rows contiguous."""
         row = self._running.index(seq)
         if self.prefix_cache is not None and reason in ("stop", "length"):
@@ -733,7 +745,7 @@ class BatchScheduler:
         if not seq.handle.finished and reason in ("cancelled", "error"):
             self._finish(seq, reason, error)
 
-    def _finish(self, seq: _Sequence, reason: str, error: str | None = None, text: str = "",
+    def _finish(self, seq: _Sequence, reason: str, error: Fault | None = None, text: str = "",
                 tokens: list[int] | None = None, logprobs: list[TokenLogprob] | None = None) -> None:
         if seq.handle.finished:
             return

@@ -26,6 +26,34 @@ from .errors import InvalidRequestError
 KINDS = ("json", "json_object", "regex", "grammar", "choice")
 
 
+def _limits():
+    """The grammar engine's work budget per request (llguidance's defaults bound the time of each
+    mask: lexer fuel, Earley items per step, lexer states, grammar size), with short errors: its
+    verbose ones print the grammar and the parser's state."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(verbose_errors=False)
+
+
+def _check_text(value: object, param: str) -> None:
+    """A 400 for a string anywhere in `value` that UTF-8 cannot encode (a lone surrogate, which
+    JSON's \\ud800 escapes can carry): the grammar engine takes UTF-8 only."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidRequestError(f"{param}: a string holds a lone surrogate at character {exc.start}, "
+                                          "which is not valid Unicode text", param) from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 @dataclass(frozen=True)
 class StructuredSpec:
     """One constraint: kind in KINDS; value = the schema (dict, bool or JSON text), the regex, the
@@ -58,6 +86,7 @@ class StructuredSpec:
         from llguidance import LLMatcher, gbnf_to_lark
 
         v = self.value
+        _check_text(v, self.param)
         # JSON as json.dumps writes it (", " and ": ", no other whitespace): a free whitespace rule
         # lets a small model spend its whole budget on spaces. A schema's "x-guidance" overrides it.
         compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -119,34 +148,51 @@ def compile_spec(spec: StructuredSpec, tokens: GrammarTokens) -> "GrammarState":
 
     grammar = spec.grammar()
     try:
-        matcher = LLMatcher(tokens.ll, grammar, log_level=0)
+        matcher = LLMatcher(tokens.ll, grammar, log_level=0, limits=_limits())
     except Exception as exc:  # documented never to raise for grammar errors; a 400 either way
         raise InvalidRequestError(f"{spec.param}: the grammar engine refuses it: {exc}", spec.param) from None
     if matcher.is_error():
         reason = " ".join(matcher.get_error().split())
         raise InvalidRequestError(f"{spec.param}: the grammar engine refuses it: {reason[:500]}",
                                   spec.param)
-    state = GrammarState(matcher, tokens)
+    state = GrammarState(matcher, tokens, spec.param)
     first = state._mask()
     eos = torch.zeros_like(first)
     eos[tokens.eos_ids] = True
-    if not (first & ~eos).any() and not matcher.is_accepting():
+    starts = (first & ~eos).nonzero().flatten().tolist()
+    if not starts and not matcher.is_accepting():
         raise InvalidRequestError(f"{spec.param}: no token of this model's tokenizer can start the required "
                                   "output", spec.param)
+    if starts:
+        # One token in and back: the engine builds most of a grammar's lexer lazily, at the first
+        # token, so a grammar past its budget fails here, in the request's handler, rather than
+        # in a decoding step shared with other requests.
+        state.masks([[starts[0]]])
     return state
 
 
 class GrammarState:
     """One request's matcher at its committed tokens (see the module docstring)."""
 
-    def __init__(self, matcher, tokens: GrammarTokens):
+    def __init__(self, matcher, tokens: GrammarTokens, param: str = "structured_outputs"):
         self.matcher = matcher
         self.tokens = tokens
+        self.param = param
+
+    def _gave_up(self) -> InvalidRequestError:
+        """The request's grammar went past the engine's work budget (`_limits`) while generating:
+        the request's fault, told in one short line (the grammar engine's reason)."""
+        reason = (self.matcher.get_error() or "unknown reason").replace("<non-verbose/>", "")
+        reason = " ".join(reason.split())[:300]
+        return InvalidRequestError(f"{self.param}: the grammar engine gave up on this grammar ({reason}); "
+                                   "simplify it", self.param)
 
     def _mask(self) -> torch.Tensor:
         # [vocab] bool: what the matcher allows now. A dead end (nothing allowed: the tokenizer
         # cannot spell what must come next) ends the output with EOS rather than failing the step.
         raw = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8)[: self.tokens.vocab]
+        if self.matcher.is_error():
+            raise self._gave_up()
         allowed = torch.zeros(self.tokens.vocab, dtype=torch.bool)
         allowed[: raw.shape[0]] = raw > 0
         allowed &= self.tokens.usable
@@ -173,7 +219,7 @@ class GrammarState:
             if ok < len(rest):
                 continue  # unreachable row
             if rest and not self.matcher.consume_tokens(rest):
-                raise RuntimeError(f"the grammar matcher failed on tokens it validated: {self.matcher.get_error()}")
+                raise self._gave_up()
             consumed += rest
             out[j] = self._mask()
         if consumed:
@@ -186,6 +232,6 @@ class GrammarState:
             if self.matcher.is_stopped():
                 return
             if not self.matcher.consume_token(t):
-                if t in self.tokens.eos_ids:  # the dead-end EOS of `_mask`: the output ends here
+                if t in self.tokens.eos_ids and not self.matcher.is_error():  # `_mask`'s dead-end EOS: the end
                     return
-                raise RuntimeError(f"the grammar matcher refused an emitted token {t}: {self.matcher.get_error()}")
+                raise self._gave_up()

@@ -44,6 +44,14 @@ def _rust_only(folder: Path) -> bool:
             and config.get("tokenizer_class", "PreTrainedTokenizerFast") in _PLAIN_CLASSES)
 
 
+def lacks_chat_template(folder: Path) -> bool:
+    """Whether the folder certainly has no chat template, known without reading its tokenizer: it
+    has no tokenizer files, or tokenizer.json alone defines its tokenizer (`_rust_only`), which
+    leaves no place for a template."""
+    if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer.model").exists()):
+        return True
+    return _rust_only(folder)
+
 def check_text(text: str, what: str = "the prompt", param: str | None = "prompt") -> str:
     """`text` if it is valid Unicode text; an InvalidRequestError naming the first lone surrogate
     otherwise.

@@ -52,7 +52,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..drafters.base import TreeShape
-from ..errors import InvalidRequestError, SpecdecError
+from ..errors import Fault, InvalidRequestError, SpecdecError
 from ..models.transformer import Transformer
 from ..sampling import SamplingParams
 from ..scheduler import BatchScheduler, Delta, RequestHandle, TokenLogprob
@@ -444,7 +444,7 @@ def create_app(settings: ServerSettings,
             async for delta in guarded(handle):
                 note(access, delta)
                 if delta.finish_reason == "error":
-                    yield sse(error_body(delta.error or "generation failed", "internal_error"))
+                    yield sse(fault_body(delta.error))
                     break
                 if delta.text or delta.finish_reason or delta.logprobs:
                     chunk = {**base, "choices": [{"index": 0, "text": delta.text,
@@ -509,7 +509,7 @@ def create_app(settings: ServerSettings,
             async for delta in guarded(handle):
                 note(access, delta)
                 if delta.finish_reason == "error":
-                    yield sse(error_body(delta.error or "generation failed", "internal_error"))
+                    yield sse(fault_body(delta.error))
                     break
                 if delta.text or delta.logprobs:
                     yield sse({**head, "choices": [{"index": 0, "delta": {"content": delta.text},
@@ -603,9 +603,22 @@ def note(access, delta: Delta) -> None:
         access.forwards = delta.stats.target_forwards
 
 
+class RowFault(APIError):
+    """A request that failed inside the decoding loop (`errors.Fault`): its own error only."""
+
+    def __init__(self, fault: Fault):
+        super().__init__(fault.status, fault.message, fault.type, fault.param)
+
+
 def raise_fault(last: Delta) -> None:
     if last.finish_reason == "error":
-        raise SpecdecError(f"generation failed: {last.error}")
+        raise RowFault(last.error or Fault.of(RuntimeError(), "?"))
+
+
+def fault_body(fault: Fault | None) -> dict:
+    """The SSE error event of a stream whose request failed after its first byte."""
+    fault = fault or Fault.of(RuntimeError(), "?")
+    return error_body(fault.message, fault.type, fault.param)
 
 
 async def guarded(handle: RequestHandle):

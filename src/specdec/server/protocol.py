@@ -22,9 +22,11 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from ..errors import InvalidRequestError
+from ..sampling import REPETITION_PENALTY_RANGE
 from ..structured import StructuredSpec
 
 MAX_STOP = 16
+MAX_TOKEN_ID_DIGITS = 9
 MAX_TOP_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 256  # a salt is a secret of a few dozen characters; 256 leaves room
 
@@ -168,7 +170,7 @@ class _Sampling(_Strict):
     # Applied at every position, drafted or not, as plain decoding applies them (`adjust_logits`).
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     logit_bias: dict[str, float] | None = None  # token id (as a string, JSON keys are) -> [-100, 100]
     min_tokens: Int = Field(0, ge=0)
     ignore_eos: bool = False
@@ -195,7 +197,9 @@ class _Sampling(_Strict):
             raise InvalidRequestError("only n = 1 is supported", "n", "unsupported_value")
         for key, value in (self.logit_bias or {}).items():
             if not (key.isascii() and key.isdigit()):
-                raise InvalidRequestError(f"logit_bias: keys must be token ids, got {key!r}", "logit_bias")
+                raise InvalidRequestError(f"logit_bias: keys must be token ids, got {key[:40]!r}", "logit_bias")
+            if len(key) > MAX_TOKEN_ID_DIGITS:  # no vocabulary is that big; int() refuses 4,300 digits
+                raise InvalidRequestError(f"logit_bias: token id {key[:40]}... is out of range", "logit_bias")
             if not -100 <= value <= 100:
                 raise InvalidRequestError(f"logit_bias: values must be in [-100, 100], got {value}", "logit_bias")
         for name in ("cache_salt", "prompt_cache_key"):
