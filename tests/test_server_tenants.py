@@ -31,7 +31,8 @@ from specdec.prefix_cache import PrefixCache
 from specdec.sampling import SamplingParams
 from specdec.scheduler import BatchScheduler, Request
 from specdec.server.app import ServerSettings, create_app
-from specdec.server.tenants import DEFAULT_TENANT, KeyRing, Tenant, cache_partition, parse_keys
+from specdec.server.tenants import (DEFAULT_TENANT, KeyRing, Tenant, TenantBusyError, TenantGate, cache_partition,
+                                    parse_keys)
 from specdec.server.wire import http_protocol
 from test_server import HOST, SETTINGS, ThreadServer, free_port
 
@@ -126,6 +127,28 @@ def test_cli_refuses_a_bad_keys_file_in_one_line(tmp_path, capsys):
     assert cli_main(["serve", "--api-keys-file", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"specdec: error: {bad} line 1: concurrency must be an integer >= 1, got 'lots'"]
+
+
+def test_the_tenant_gate_hands_places_over_in_order_and_a_cancelled_waiter_leaks_none():
+    gate, alice = TenantGate(), Tenant("alice", 1, 2, 1.0)
+
+    async def main():
+        await gate.acquire(alice)
+        second = asyncio.ensure_future(gate.acquire(alice))
+        third = asyncio.ensure_future(gate.acquire(alice))
+        await asyncio.sleep(0)
+        with pytest.raises(TenantBusyError, match="tenant 'alice'"):
+            await gate.acquire(alice)  # one generating, two waiting: full
+        third.cancel()  # a client that leaves while waiting
+        await asyncio.sleep(0)
+        gate.release("alice")  # the first finishes: its place passes to the second, in order
+        await asyncio.wait_for(second, 1)
+        assert third.cancelled() and (gate.running("alice"), gate.waiting("alice")) == (1, 0)
+        gate.release("alice")
+        assert gate.running("alice") == 0
+        await asyncio.wait_for(gate.acquire(alice), 1)  # free again at once
+
+    asyncio.run(main())
 
 
 # -- what needs a key ---------------------------------------------------------------------------------

@@ -154,6 +154,7 @@ class KeyRing:
     def reload(self) -> bool:
         """Read the keys file again; on any error keep the keys in force and log one line."""
         if self.path is None:
+            log.warning("specdec: no keys file to reload (--api-keys-file)")
             return False
         try:
             keys = parse_keys(_read(self.path), str(self.path), *self._defaults)
