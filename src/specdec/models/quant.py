@@ -596,7 +596,7 @@ def _alone_on_huge_pages(nbytes: int) -> bool:
 _TABLE_ALIGN = 256  # bytes: each table of the shared one starts on a fresh run of cache lines
 
 
-def gather_small_tables(model: nn.Module) -> int:
+def gather_small_tables(model: nn.Module, fill=None) -> int:
     """Move the weight tables (`_q` of the int8 and 4-bit linears) that would not lie on huge pages
     of their own (`_alone_on_huge_pages`: those under 1 MiB, and those under 2 MiB that are not
     rounded up to a whole huge page) into one shared table on huge pages; returns how many moved.
@@ -607,6 +607,8 @@ def gather_small_tables(model: nn.Module) -> int:
     stream on huge pages too (where they add up to 1 MiB or more). Only where the bytes lie changes:
     each module's `_q` becomes a view of the shared table with the same values. Done right after
     quantising, before any forward has remembered a layer's tables (`Block._kernel_parts`).
+    `fill(table, place)` puts a table's bytes in its place (default: a copy; the kernel-layout
+    cache reads them from its file, `mapped.py`).
     """
     kernels = cpu_kernels.load()
     if kernels is None:
@@ -626,7 +628,10 @@ def gather_small_tables(model: nn.Module) -> int:
     for module, size in zip(small, sizes):
         q = module._q
         view = table[offset : offset + q.numel() * q.element_size()].view(q.dtype).view(q.shape)
-        view.copy_(q)
+        if fill is None:
+            view.copy_(q)
+        else:
+            fill(q, view)
         module._q = view
         offset += size
     return len(small)
