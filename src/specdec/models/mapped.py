@@ -230,6 +230,7 @@ def build(path: Path, folder: Path, quantize: str, layout: str, stamp: dict, pro
         del model, tensors, state, gguf
         loader.release_freed_memory()
         (tmp / "config.json").write_text(json.dumps(raw, indent=1))
+        print(f"specdec: reading the tokenizer of {path.name} (once)", file=sys.stderr, flush=True)
         loader._gguf_tokenizer(path, tmp, raw["model_type"])
         size = (tmp / WEIGHTS).stat().st_size
         manifest = {"format": 1, "layout": layout, "quantize": quantize, "source": stamp, "modules": modules,
