@@ -157,10 +157,27 @@ def test_models_cache_lists_and_prunes(ggufs, cache, tmp_path, capsys):
     assert main(["models", "--cache"]) == 0
     text = capsys.readouterr().out
     assert "stale: its source file is gone" in text and "int4" in text
+    leftover, building = cache / "mapped" / "x-int8-0.tmp-1", cache / "mapped" / "y-int8-0.tmp-2"
+    leftover.mkdir()
+    building.mkdir()
+    os.utime(leftover, (1e9, 1e9))  # a build's folder untouched for years: its process died
     assert main(["models", "--cache", "--prune"]) == 0
-    assert "removed 1" in capsys.readouterr().out
-    left = list((cache / "mapped").iterdir())
-    assert [p.name for p in left if p.is_dir()] == [mapped.entry_dir(ggufs["llama"], "int4", mapped.layout_id(
-        cpu_kernels.load())).name]
+    out = capsys.readouterr().out
+    assert "removed 2 entries" in out and "x-int8-0.tmp-1" in out
+    left = sorted(p.name for p in (cache / "mapped").iterdir() if p.is_dir())
+    assert left == sorted([mapped.entry_dir(ggufs["llama"], "int4", mapped.layout_id(cpu_kernels.load())).name,
+                           building.name])  # a build under way is left alone
     assert main(["models", "--prune"]) == 2  # --prune without --cache: one line, nonzero
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_engine_loads_a_quantised_gguf_from_its_entry(ggufs, cache):
+    from specdec import Engine
+
+    engine = Engine.load(str(ggufs["qwen2"]), drafter="none", quantize="int8")
+    assert not (cache / "gguf").exists() and len([p for p in (cache / "mapped").glob("qwen2-int8-*") if p.is_dir()]) == 1
+    converted = loader.resolve(ggufs["qwen2"])
+    reference = loader.build_model(loader.read_config(converted), loader.read_safetensors_folder(converted),
+                                   torch.float32, "cpu", "int8")
+    out = engine.generate(prompt_ids=[1, 2, 3], max_new_tokens=6)
+    assert out.token_ids == Engine(reference, None).generate(prompt_ids=[1, 2, 3], max_new_tokens=6).token_ids

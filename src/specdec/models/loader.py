@@ -19,13 +19,14 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 from ..errors import ModelLoadError
-from .cache_dir import cache_root
+from .cache_dir import build_lock, cache_root
 from .gguf_file import GgufFile, read_gguf
 from .transformer import ModelConfig, RopeSpec, Transformer
 
@@ -629,7 +630,11 @@ def _gguf_tokenizer(path: Path, out: Path, model_type: str) -> None:
 
 
 def convert_gguf(path: Path, progress=None) -> Path:
-    """Convert a GGUF file once into an HF-style folder in the cache; return that folder."""
+    """Convert a GGUF file once into an HF-style folder in the cache; return that folder.
+
+    One converter per folder at a time (`build_lock`), each in a folder of its own until it is
+    renamed into place: two processes converting the same file into one shared temporary folder
+    left a folder marked done without its weights."""
     try:
         stat = path.stat()
     except OSError as exc:
@@ -640,22 +645,26 @@ def convert_gguf(path: Path, progress=None) -> Path:
         with contextlib.suppress(OSError):
             (folder / "used").touch()  # last used, for `specdec models --cache`
         return folder
-    gguf = read_gguf(path)
-    raw = _gguf_config(gguf)
-    tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    _write_gguf_safetensors(gguf, raw, tmp / "model.safetensors", progress or (lambda done, total: None))
-    (tmp / "config.json").write_text(json.dumps(raw, indent=1))
-    (tmp / "source.json").write_text(json.dumps({"path": str(path.resolve())}))
-    del gguf  # the mapped file's pages
-    release_freed_memory()
-    _gguf_tokenizer(path, tmp, raw["model_type"])
-    (tmp / "DONE").write_text("ok\n")
-    if folder.exists():
-        import shutil
-
-        shutil.rmtree(folder)
-    tmp.rename(folder)
+    with build_lock(folder):
+        if (folder / "DONE").exists():  # another process converted it meanwhile
+            return folder
+        gguf = read_gguf(path)
+        raw = _gguf_config(gguf)
+        tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            _write_gguf_safetensors(gguf, raw, tmp / "model.safetensors", progress or (lambda done, total: None))
+            (tmp / "config.json").write_text(json.dumps(raw, indent=1))
+            (tmp / "source.json").write_text(json.dumps({"path": str(path.resolve())}))
+            del gguf  # the mapped file's pages
+            release_freed_memory()
+            _gguf_tokenizer(path, tmp, raw["model_type"])
+            (tmp / "DONE").write_text("ok\n")
+            shutil.rmtree(folder, ignore_errors=True)
+            tmp.rename(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 

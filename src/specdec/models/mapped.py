@@ -44,7 +44,7 @@ from torch import nn
 
 from ..errors import ModelLoadError
 from . import cpu_kernels, loader
-from .cache_dir import cache_root
+from .cache_dir import build_lock, cache_root
 from .quant import Int4Linear, Int8Embedding, Int8Linear, _alone_on_huge_pages, gather_small_tables
 
 # Bump when what an entry stores changes meaning: the quantisers (`quantize_rows`, `quantize_int4`),
@@ -247,23 +247,6 @@ def build(path: Path, folder: Path, quantize: str, layout: str, stamp: dict, pro
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _entry_lock(folder: Path):
-    """One builder per entry at a time (a second process waits, then finds the entry built)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        yield
-        return
-    with open(folder.with_name(folder.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def ensure(path: Path, quantize: str, progress=None) -> Path | None:
     """The entry for GGUF `path` under `quantize` ("int8" / "int4"), built or rebuilt if need be;
     None where there are no compiled kernels to lay tables out for (the float32 path then serves)."""
@@ -275,7 +258,7 @@ def ensure(path: Path, quantize: str, progress=None) -> Path | None:
     folder = entry_dir(path, quantize, layout)
     if stale_reason(folder, read_manifest(folder), stamp, layout) is None:
         return folder
-    with _entry_lock(folder):
+    with build_lock(folder):
         manifest = read_manifest(folder)
         reason = stale_reason(folder, manifest, stamp, layout)
         if reason is None:  # another process built it meanwhile
@@ -417,8 +400,17 @@ def _last_used(folder: Path) -> float:
     return folder.stat().st_mtime
 
 
-def _unfinished(folder: Path) -> bool:
-    return ".tmp" in folder.name or ".old-" in folder.name
+_BUILDING_S = 3600  # a build's folder untouched this long is a leftover (its process died)
+
+
+def _unfinished(folder: Path) -> str | None:
+    """None for an entry; for a build's folder (`.tmp-PID`, `.old-PID`): "building" while it is
+    fresh, else "stale: unfinished (...)"."""
+    if ".tmp" not in folder.name and ".old-" not in folder.name:
+        return None
+    if time.time() - folder.stat().st_mtime < _BUILDING_S:
+        return "building"
+    return "stale: unfinished (a build that did not end)"
 
 
 def cache_entries() -> list[dict]:
@@ -434,11 +426,13 @@ def cache_entries() -> list[dict]:
         manifest = read_manifest(folder)
         source = (manifest or {}).get("source", {}).get("path")
         stamp = source_stamp(Path(source)) if source and Path(source).is_file() else {"hash": None}
-        reason = ("unfinished (a build that did not end)" if _unfinished(folder)
-                  else stale_reason(folder, manifest, stamp, layout))
+        status = _unfinished(folder)
+        if status is None:
+            reason = stale_reason(folder, manifest, stamp, layout)
+            status = "ok" if reason is None else f"stale: {reason}"
         rows.append({"kind": "kernel layout", "name": folder.name, "path": str(folder), "source": source,
                      "quantize": (manifest or {}).get("quantize"), "bytes": _folder_bytes(folder),
-                     "last_used": _last_used(folder), "status": "ok" if reason is None else f"stale: {reason}"})
+                     "last_used": _last_used(folder), "status": status})
     converted = cache_root() / "gguf"
     for folder in sorted(converted.glob("*")) if converted.is_dir() else []:
         if not folder.is_dir():
@@ -446,7 +440,10 @@ def cache_entries() -> list[dict]:
         source = None
         with contextlib.suppress(OSError, ValueError):
             source = json.loads((folder / "source.json").read_text())["path"]
-        if _unfinished(folder) or not (folder / "DONE").exists():
+        status = _unfinished(folder)
+        if status is not None:
+            pass
+        elif not (folder / "DONE").exists():
             status = "stale: unfinished (a conversion that did not end)"
         elif source is not None and not Path(source).is_file():
             status = "stale: its source file is gone"
@@ -461,7 +458,8 @@ def cache_entries() -> list[dict]:
 def prune(unused_days: float) -> list[dict]:
     """Remove the stale entries and those unused for `unused_days` days; returns what went."""
     cutoff = time.time() - unused_days * 86400
-    gone = [row for row in cache_entries() if row["status"] != "ok" or row["last_used"] < cutoff]
+    gone = [row for row in cache_entries()
+            if row["status"] != "building" and (row["status"] != "ok" or row["last_used"] < cutoff)]
     for row in gone:
         shutil.rmtree(row["path"], ignore_errors=True)
         Path(row["path"] + ".lock").unlink(missing_ok=True)
