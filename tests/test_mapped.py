@@ -181,3 +181,28 @@ def test_engine_loads_a_quantised_gguf_from_its_entry(ggufs, cache):
                                    torch.float32, "cpu", "int8")
     out = engine.generate(prompt_ids=[1, 2, 3], max_new_tokens=6)
     assert out.token_ids == Engine(reference, None).generate(prompt_ids=[1, 2, 3], max_new_tokens=6).token_ids
+
+
+def test_rows_of_the_default_models_k_quants_read_alone_equal_the_whole_tensor():
+    """A build quantises straight from the GGUF, a block of rows at a time: for each ggml type in
+    the default model's file (Q4_K, Q6_K, Q5_0, ... which gguf cannot write for a tiny test file),
+    rows read alone at odd offsets are the rows of the whole tensor dequantised, as the float32
+    conversion writes them."""
+    gguf = loader.read_gguf(loader.default_model_path())
+    raw = loader._gguf_config(gguf)
+    sources = loader.gguf_sources(gguf, raw)
+    smallest = {}
+    for t in gguf.tensors:
+        if len(t.shape) == 2 and (t.tensor_type not in smallest or t.data.size < smallest[t.tensor_type].data.size):
+            smallest[t.tensor_type] = t
+    assert len(smallest) >= 2
+    from gguf.quants import dequantize
+
+    assert {"Q4_K", "Q5_0", "Q6_K", "Q8_0"} <= {k.name for k in smallest}
+    for t in smallest.values():
+        name = loader._gguf_name(t.name, raw["model_type"])
+        whole = torch.from_numpy(dequantize(t.data, t.tensor_type).astype("float32")).view(sources[name].shape)
+        for start, n in ((0, 1), (3, 5), (whole.shape[0] - 7, 7)):
+            out = torch.empty(n, whole.shape[1])
+            sources[name].read_into(start, out)
+            assert torch.equal(out, whole[start : start + n]), (t.name, t.tensor_type)
