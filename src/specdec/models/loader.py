@@ -1,9 +1,11 @@
 """Weights from disk: an HF folder (config.json + *.safetensors) or a GGUF file.
 
 Both end as `ModelConfig` + safetensors in HF's tensor names, so there is one model path. A GGUF
-file is converted once into an HF-style folder under the conversion cache (dequantised float32
-safetensors, a config.json and the tokenizer built from the GGUF metadata); later loads of the same
-file read that folder, which takes seconds instead of dequantising again.
+file loaded int8 or int4 is quantised once, straight from its blocks (`GgufTensorSource`), into a
+kernel-layout cache entry that later loads read back as the kernels use it (`mapped.py`); loaded as
+a float model (or without the compiled kernels) it is converted once into an HF-style folder under
+the conversion cache (dequantised float32 safetensors, a config.json and the tokenizer built from
+the GGUF metadata), which later loads read instead of dequantising again.
 
 Memory: the conversion writes one tensor at a time, and a load reads each tensor as the model
 takes it (`StoredTensor`), so the peak is about the weights kept, not twice them; an int8 load

