@@ -167,8 +167,13 @@ def test_models_cache_lists_and_prunes(ggufs, cache, tmp_path, capsys):
     left = sorted(p.name for p in (cache / "mapped").iterdir() if p.is_dir())
     assert left == sorted([mapped.entry_dir(ggufs["llama"], "int4", mapped.layout_id(cpu_kernels.load())).name,
                            building.name])  # a build under way is left alone
-    assert main(["models", "--prune"]) == 2  # --prune without --cache: one line, nonzero
-    assert capsys.readouterr().err.count("\n") == 1
+    for argv in (["models", "--prune"], ["models", "--cache", "--unused-days", "3"],
+                 ["models", "--cache", "--prune", "--unused-days", "-1"]):
+        assert main(argv) == 2  # one line, nonzero
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("specdec: error: --"), argv
+    assert main(["models", "--cache", "--prune", "--unused-days", "0"]) == 0  # every entry but a build under way
+    assert sorted(p.name for p in (cache / "mapped").iterdir() if p.is_dir()) == [building.name]
 
 
 def test_engine_loads_a_quantised_gguf_from_its_entry(ggufs, cache):

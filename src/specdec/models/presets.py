@@ -258,7 +258,7 @@ def add_arguments(parser) -> None:
                              "it is stale")
     parser.add_argument("--prune", action="store_true",
                         help="with --cache: remove the stale entries and those unused for --unused-days days")
-    parser.add_argument("--unused-days", type=float, default=30.0, metavar="DAYS",
+    parser.add_argument("--unused-days", type=float, default=None, metavar="DAYS",
                         help="with --prune: an entry unused this long goes too (default 30; 0: every entry)")
 
 
@@ -268,10 +268,10 @@ def _run_cache(args) -> int:
 
     from . import mapped
 
-    if args.unused_days < 0:
+    if args.unused_days is not None and args.unused_days < 0:
         raise ModelLoadError(f"--unused-days must be >= 0, got {args.unused_days:g}")
     if args.prune:
-        gone = mapped.prune(args.unused_days)
+        gone = mapped.prune(30.0 if args.unused_days is None else args.unused_days)
         freed = sum(row["bytes"] for row in gone)
         if args.json:
             print(json.dumps({"removed": gone, "bytes": freed}))
@@ -299,6 +299,8 @@ def run(args) -> int:
 
     if args.prune and not args.cache:
         raise ModelLoadError("--prune works on the cache: give --cache --prune")
+    if args.unused_days is not None and not args.prune:
+        raise ModelLoadError("--unused-days chooses what --prune removes: give --cache --prune --unused-days DAYS")
     if args.cache:
         return _run_cache(args)
     rows = []
