@@ -109,6 +109,8 @@ def test_mapped_entry_loads_the_converted_models_logits_bit_for_bit(ggufs, cache
                                    torch.float32, "cpu", quantize)
     vocab = model.config.vocab_size
     assert torch.equal(_logits(model, vocab), _logits(reference, vocab))
+    with open("/proc/self/maps") as maps:  # every table read into memory of its own: no mapping kept
+        assert str(folder / mapped.WEIGHTS) not in maps.read()
     again, _ = loader.load(path, torch.float32, "cpu", quantize=quantize)  # the warm load: the file alone
     assert torch.equal(_logits(again, vocab), _logits(reference, vocab))
     assert (folder / "config.json").is_file()

@@ -12,8 +12,9 @@ Where the bytes go. The file is mapped; a table the kernels stream alone on huge
 (`quant._alone_on_huge_pages`) is read from it into a `table_empty` buffer (a mapped file lies on
 4 KiB pages, where the kernels' weight stream runs slower: quant.py module doc), and the smaller
 tables are copied side by side into one shared huge-page table (`quant.gather_small_tables`), as
-after quantising; scales, norms and biases are taken from the mapping. Reading int8 or 4-bit bytes
-costs a fraction of reading float32 and quantising it (BENCHMARKS.md, the mapped load).
+after quantising; scales, norms and biases are copied out of the mapping. The loaded model keeps
+no mapping of the file (`_own_the_rest`). Reading int8 or 4-bit bytes costs a fraction of reading
+float32 and quantising it (BENCHMARKS.md, load time and the model cache).
 
 One entry per (model file, quantisation, kernel layout): `cache_root()/mapped/STEM-QUANT-KEY/` with
 KEY a hash of the file's path, the quantisation and `layout_id()`. It holds `weights.bin` (each
@@ -313,7 +314,7 @@ def _place(table: torch.Tensor, read, kernels) -> torch.Tensor:
     that lies alone on huge pages is read from the file into its own `table_empty` buffer; a smaller
     one stays a view of the mapping until `gather_small_tables` reads it, beside the others, into
     one huge-page table. Reading into those buffers beat copying out of the mapping several times
-    over (its 4 KiB pages fault in one by one; BENCHMARKS.md, the mapped load)."""
+    over (its 4 KiB pages fault in one by one; BENCHMARKS.md, load time and the model cache)."""
     if not _alone_on_huge_pages(table.numel() * table.element_size()):
         return table
     return read(table, kernels.table_empty(list(table.shape), table.dtype))
@@ -353,6 +354,23 @@ def _assemble(model: nn.Module, manifest: dict, mapped: dict, place, dtype: torc
         setattr(model, f"inv_freq_{i}", spec.inv_freq(model.config.head_dim).float())
 
 
+def _own_the_rest(model: nn.Module, offsets: dict, read) -> None:
+    """Read into memory of their own the tables still viewing the mapping (those
+    `gather_small_tables` leaves where they are: a small table a tied embedding shares, a lone small
+    one), so that the model keeps no mapping of the file: a file cut while it is mapped would kill
+    the process (SIGBUS) at its next read."""
+    head = getattr(model, "lm_head", None)
+    tied = [m for m in model.modules() if isinstance(m, Int8Embedding) and isinstance(head, Int8Linear) and m.q is head._q]
+    for module in model.modules():
+        if isinstance(module, Int8Linear) and id(module._q) in offsets:
+            module._q = read(module._q, torch.empty(module._q.shape, dtype=module._q.dtype))
+    for module in model.modules():
+        if any(module is m for m in tied):
+            module.q = head._q
+        elif isinstance(module, Int8Embedding) and id(module.q) in offsets:
+            module.q = read(module.q, torch.empty(module.q.shape, dtype=module.q.dtype))
+
+
 def load_entry(folder: Path, dtype: torch.dtype, device) -> loader.Transformer:
     """The model of entry `folder`, its tables placed for the kernels (module doc)."""
     manifest = read_manifest(folder)
@@ -374,6 +392,7 @@ def load_entry(folder: Path, dtype: torch.dtype, device) -> loader.Transformer:
 
         _assemble(model, manifest, mapped, lambda t: _place(t, read, kernels), dtype)
         gather_small_tables(model, read)
+        _own_the_rest(model, offsets, read)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{folder}: {exc}") from exc
     finally:
