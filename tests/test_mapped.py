@@ -213,3 +213,10 @@ def test_rows_of_the_default_models_k_quants_read_alone_equal_the_whole_tensor()
             out = torch.empty(n, whole.shape[1])
             sources[name].read_into(start, out)
             assert torch.equal(out, whole[start : start + n]), (t.name, t.tensor_type)
+
+
+def test_without_the_compiled_kernels_a_quantised_load_takes_the_float32_path(ggufs, cache, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # as with SPECDEC_CPU_KERNELS=0 or no compiler
+    model, folder = loader.load(ggufs["llama"], torch.float32, "cpu", quantize="int8")
+    assert folder.parent == cache / "gguf" and not mapped.is_entry(folder) and not (cache / "mapped").exists()
+    assert model.lm_head._q is None  # fbgemm's layout, not the kernels'
