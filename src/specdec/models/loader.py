@@ -699,6 +699,8 @@ def resolve(source: str | os.PathLike, progress=None, quantize: str = "none") ->
     path = check_path(default_model_path() if str(source) == "default" else source)
     if path.is_dir():
         return path
+    if quantize not in ("none", "int8", "int4"):
+        raise ModelLoadError(f"unknown quantisation {quantize!r}: none, int8 or int4")
     entry = mapped.ensure(path, quantize, progress) if quantize != "none" else None
     return entry if entry is not None else convert_gguf(path, progress)
 
