@@ -59,8 +59,10 @@ when its last chunk is in it joins the running rows where it is.
 Speculation under load (the known failure mode of speculative serving). Verifying draft tokens is
 almost free while a forward is bound by reading the weights, which is true for a few tokens per
 forward; once the batch alone fills the machine, every drafted token costs as much as a real one
-and rejected drafts are pure loss. Two rules cap how many tokens a row may draft per step, and
-the smaller cap wins (the request's own k and its remaining token allowance cap it further):
+and rejected drafts are pure loss. Each row sizes its drafts by the rule `generate` uses (the
+cost-aware draft length of its `policy.DraftController`, unless `draft_length` says otherwise),
+and two rules cap that per step over the batch, the smaller cap winning (the request's own k and
+its remaining token allowance cap it further):
 
 * the budget rule, a hard ceiling: a forward scores at most `spec_token_budget` tokens, so with n
   running sequences each may draft `max(0, spec_token_budget // n - 1)`. With the default budget
@@ -76,9 +78,10 @@ the smaller cap wins (the request's own k and its remaining token allowance cap 
   exploring: when recent steps all had one width (no slope to fit) it uses the ceiling for a
   while, and an acceptance rate learnt from a few bad drafts drifts back to its prior.
 
-A seeded sampled request keeps its k whatever the load: rejection sampling draws from the
-request's generator a number of times that depends on k, so changing k with the load would make
-the same seed give different text. Greedy requests are exact at any k, and unseeded ones promise
+A seeded sampled request ignores the load caps: rejection sampling draws from the request's
+generator a number of times that depends on k, so changing k with the load would make the same
+seed give different text (its rule prices drafts by fixed priors, never by timings, for the same
+reason). Greedy requests are exact at any k, and unseeded ones promise
 nothing, so they follow the rules.
 
 Greedy output is the same alone or in a batch: each row's logits depend only on its own tokens
@@ -351,6 +354,7 @@ class BatchScheduler:
         prefix_cache_tokens: int = 0,
         on_finish: Callable[[Request, Delta], None] | None = None,
         kv_dtype: str = "auto",
+        draft_length: str | None = None,
     ):
         drafters = dict(drafters) if drafters is not None else serving_drafters()[0]
         if drafter not in drafters:
@@ -370,8 +374,9 @@ class BatchScheduler:
         cfg = model.config
         self.model = model
         self.tokenizer = tokenizer
-        # The decoding core; rows of the server draft a fixed k (capped by the load rules below).
-        self.engine = Engine(model, tokenizer, num_speculative_tokens=num_speculative_tokens, draft_length="fixed",
+        # The decoding core. Each row sizes its drafts by the rule `generate` uses (`draft_length`,
+        # None: the default, cost-aware), under the batch's load cap (below).
+        self.engine = Engine(model, tokenizer, num_speculative_tokens=num_speculative_tokens, draft_length=draft_length,
                              kv_dtype=kv_dtype)
         self.drafters = drafters
         self.draft_trees = draft_trees
