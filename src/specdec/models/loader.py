@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelLoadError
+from . import presets
 from .cache_dir import cache_root
 from .gguf_file import GgufFile, read_gguf
 from .transformer import ModelConfig, RopeSpec, Transformer
@@ -616,8 +617,6 @@ def check_path(source: str | os.PathLike) -> Path:
     """A model path given by the user, checked as far as costs nothing: it exists, and it is a
     folder or a .gguf file. (What a server checks before it binds its port and loads in the
     background.)"""
-    from . import presets
-
     if presets.is_preset(str(source)):  # a named model: its packages are installed (or it is assembled)
         presets.check(str(source))
         return presets.cached_path(presets.get(str(source)))
@@ -632,8 +631,6 @@ def check_path(source: str | os.PathLike) -> Path:
 def resolve(source: str | os.PathLike, progress=None) -> Path:
     """The HF folder to load for `source`: "default", a preset name (`presets.PRESETS`, assembled
     once from its packages), a folder, or a .gguf file (converted)."""
-    from . import presets
-
     if presets.is_preset(str(source)):
         source = presets.path(str(source))
     path = check_path(default_model_path() if str(source) == "default" else source)

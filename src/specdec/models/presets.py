@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelLoadError
+from .cache_dir import cache_root
 
 _CHUNK = 8 << 20  # bytes read per step while concatenating and hashing
 
@@ -92,8 +93,6 @@ def get(name: str) -> Preset:
 
 
 def cached_path(preset: Preset) -> Path:
-    from .loader import cache_root
-
     return cache_root() / "models" / preset.filename
 
 
