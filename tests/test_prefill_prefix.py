@@ -10,7 +10,7 @@ from specdec.models import loader
 from specdec.prefix_cache import PrefixCache, common_prefix
 from specdec.scheduler import BatchScheduler, Request, serving_drafters
 
-from helpers import TINY_VOCAB as V, make_tiny_hf
+from helpers import TINY_VOCAB as V, drive, make_tiny_hf
 from test_eagle import random_head
 
 
@@ -27,11 +27,9 @@ def ids(n, seed):
     return torch.randint(3, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def drive(sched, handles):
-    """Run the scheduler's loop by hand until every handle has finished; their token ids."""
-    while not all(h.finished for h in handles):
-        sched.run_once(wait=False)
-    return [h.result().token_ids for h in handles]
+def drive_ids(sched, handles):
+    """`helpers.drive`: the token ids of each handle's completion."""
+    return [c.token_ids for c in drive(sched, handles)]
 
 
 def test_common_prefix():
@@ -64,10 +62,10 @@ def test_prefix_cache_same_greedy_output_including_after_eviction(tiny, with_dra
         turn = list(system)
         for step in range(3):  # a conversation: each prompt is the last prompt + its answer + a new turn
             turn = turn + ids(4, 40 + step)
-            [answer] = drive(sched, [sched.submit(Request(list(turn), 6))])
+            [answer] = drive_ids(sched, [sched.submit(Request(list(turn), 6))])
             got.append(answer)
             turn = turn + answer
-        got += [drive(sched, [sched.submit(Request(p, 8))])[0] for p in prompts]
+        got += [drive_ids(sched, [sched.submit(Request(p, 8))])[0] for p in prompts]
         (refs if budget == 0 else outs).append(got)
         if budget:
             stats = sched.prefix_cache.stats
@@ -94,7 +92,7 @@ def test_requests_arriving_together_share_their_system_prompt(tiny):
     system = ids(40, 3)
     prompts = [system + ids(5 + i, 50 + i) for i in range(4)]
     sched = BatchScheduler(target, None, drafter="none", max_batch=4, max_model_len=160, prefix_cache_tokens=400)
-    outs = drive(sched, [sched.submit(Request(p, 6)) for p in prompts])
+    outs = drive_ids(sched, [sched.submit(Request(p, 6)) for p in prompts])
     plain = Engine(target, None)
     assert outs == [plain.generate(prompt_ids=p, max_new_tokens=6).token_ids for p in prompts]
     stats = sched.prefix_cache.stats
@@ -148,7 +146,7 @@ def test_chunked_prefill_same_output_and_shares_steps(tiny):
     assert iterations == -(-len(long_prompt) // chunk)
     assert sched.counters.prefill_forwards - forwards_before == iterations
     assert sched.counters.steps - steps_before == iterations
-    outs = drive(sched, running + [late])
+    outs = drive_ids(sched, running + [late])
     refs = [plain.generate(prompt_ids=p, max_new_tokens=40).token_ids for p in short]
     refs.append(plain.generate(prompt_ids=long_prompt, max_new_tokens=10).token_ids)
     assert outs == refs
@@ -230,12 +228,12 @@ def test_prompts_cached_but_their_last_token_share_one_prefill(tiny, drafter):
     lengths = [5, 9, 4, 7, 6, 8]
     sched = BatchScheduler(target, None, drafter=drafter, num_speculative_tokens=2, max_batch=4,
                            max_model_len=96, prefill_chunk=64, prefix_cache_tokens=1000)
-    first = drive(sched, [sched.submit(Request(p, n)) for p, n in zip(prompts, lengths)])
+    first = drive_ids(sched, [sched.submit(Request(p, n)) for p, n in zip(prompts, lengths)])
     forwards = sched.counters.prefill_forwards
     assert forwards >= len(prompts)  # nothing was cached yet: a prefill (or chunks) each
     again = prompts[:3] + [ids(25, 90)] + prompts[3:]  # a miss in the middle
     again_lengths = lengths[:3] + [6] + lengths[3:]
-    second = drive(sched, [sched.submit(Request(p, n)) for p, n in zip(again, again_lengths)])
+    second = drive_ids(sched, [sched.submit(Request(p, n)) for p, n in zip(again, again_lengths)])
     refs = [plain.generate(prompt_ids=p, max_new_tokens=n).token_ids for p, n in zip(again, again_lengths)]
     assert first == refs[:3] + refs[4:]
     assert second == refs
