@@ -15,6 +15,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "specdec"
 
@@ -119,12 +121,14 @@ def oversized(root: Path = SRC, package: str = PACKAGE, max_function: int = 80,
     return out
 
 
+@pytest.mark.fast
 def test_no_import_circle():
     graph = import_graph()
     assert len(graph) > 30 and graph["specdec.engine"]  # the tree was found and its imports read
     assert circles(graph) == []
 
 
+@pytest.mark.fast
 def test_the_circle_finder_sees_circles_and_lazy_imports(tmp_path):
     """The checker has power: a circle closed only by an import inside a function, through a
     relative `from . import`, is found; a one-way graph is not a circle."""
