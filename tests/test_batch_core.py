@@ -21,10 +21,10 @@ from specdec.drafters.combined import lookup_first
 from specdec.drafters.eagle import EagleDrafter
 from specdec.models import loader
 from specdec.policy import DraftController
-from specdec.scheduler import BatchScheduler, Request, RequestHandle, serving_drafters
+from specdec.scheduler import BatchScheduler, Request, serving_drafters
 from specdec.train import TrainConfig, train_model
 
-from helpers import TINY_VOCAB, make_char_tokenizer, make_tiny_hf
+from helpers import TINY_VOCAB, drive, make_char_tokenizer, make_tiny_hf
 
 import test_eagle as te
 import test_draft_model as tdm
@@ -92,6 +92,7 @@ def plain(pair):
 NAMES = ["draft_model", "eagle", "ngram", "suffix", "ngram+eagle", "ngram+draft_model", "ngram-tree", "eagle-tree"]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", NAMES)
 def test_every_drafter_alone_equals_plain(pair, plain, name):
     drafter = drafters(pair)[name]
@@ -105,6 +106,7 @@ def test_every_drafter_alone_equals_plain(pair, plain, name):
     assert drafted > 0
 
 
+@pytest.mark.fast
 def test_batch_of_mixed_drafters_equals_plain(pair, plain):
     made = drafters(pair)
     names = list(made)
@@ -116,13 +118,11 @@ def test_batch_of_mixed_drafters_equals_plain(pair, plain):
     limits = [4 + 3 * (i % 6) for i in range(18)]  # rows stop at different steps
     cycle = names + ["none"]  # each drafter twice, plain rows among them
     requests = [Request(p, n, drafter=cycle[i % len(cycle)]) for i, (p, n) in enumerate(zip(ps, limits))]
-    sched.start()
-    first = [sched.submit(r) for r in requests[:8]]  # a full batch
-    deltas = iter(first[0])
-    head = next(deltas)  # ... running: the rest join mid-way, as rows leave
-    rest = [sched.submit(r) for r in requests[8:]]
-    outs = [RequestHandle.collect([head, *deltas])] + [h.result() for h in first[1:] + rest]
-    sched.shutdown()
+    # Driven by hand (no scheduler thread), so the batch is the one set up here: the first 8
+    # admitted together and running, then the rest, which join mid-way as rows leave.
+    first = [sched.submit(r) for r in requests[:8]]
+    sched.run_once(wait=False)
+    outs = drive(sched, first + [sched.submit(r) for r in requests[8:]])
     for r, o in zip(requests, outs):
         assert o.token_ids == plain(r.prompt_ids, r.max_new_tokens), r.drafter
         # Some rows stop at EOS before their limit, as they do alone.
@@ -147,7 +147,7 @@ def batched_p_value(params, drafter, k=2):
     target = tdm.small_model(0)
     sched = BatchScheduler(target, None, drafter="d", drafters={"d": drafter}, num_speculative_tokens=k,
                            max_batch=8, max_queue=10 * tdm.SAMPLES, max_model_len=16, adaptive=False,
-                           draft_length="fixed").start()
+                           draft_length="fixed")
     counted, others = [], []
     for seed in range(tdm.SAMPLES):
         sp = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed)
@@ -156,12 +156,9 @@ def batched_p_value(params, drafter, k=2):
             others.append(sched.submit(Request([2, 3, 1][: 1 + seed % 3], 4, SamplingParams(temperature=1.4,
                                                                                           seed=10**6 + seed))))
     counts = {}
-    for h in counted:
-        ids = tuple(h.result().token_ids)
+    for out in drive(sched, counted + others)[: len(counted)]:  # all queued first: full batches of 8
+        ids = tuple(out.token_ids)
         counts[ids] = counts.get(ids, 0) + 1
-    for h in others:
-        h.result()
-    sched.shutdown()
     assert sched.counters.step_rows / sched.counters.steps > 4  # the samples really ran batched
     return tdm.chi_square_p(target, params, counts, strict=not isinstance(drafter, tdm.BrokenDrafter))
 
@@ -262,10 +259,10 @@ def test_model_drafter_rows_draft_in_one_batched_forward(pair, plain, monkeypatc
     loaded = drafters(pair)[kind]
     sched = BatchScheduler(pair["target"], None, drafter=kind, drafters={kind: loaded}, num_speculative_tokens=3,
                            max_batch=6, max_model_len=256, spec_token_budget=64, adaptive=False,
-                           draft_length="fixed").start()
+                           draft_length="fixed")
     limits = [6 + 2 * (i % 4) for i in range(10)]
-    outs = [h.result() for h in [sched.submit(Request(p, n)) for p, n in zip(ps, limits)]]
-    sched.shutdown()
+    # All queued before the loop runs (by hand): the first 6 are admitted together, the rest as rows leave.
+    outs = drive(sched, [sched.submit(Request(p, n)) for p, n in zip(ps, limits)])
     assert [o.token_ids for o in outs] == [plain(p, n) for p, n in zip(ps, limits)]
     assert max(widths) > 2  # rows drafted together
     phase[0] = "alone"
@@ -316,11 +313,12 @@ def test_lookup_first_rows_join_the_batched_forward(pair, plain, monkeypatch, ki
     k = 3
     sched = BatchScheduler(pair["target"], None, drafter=name, drafters={name: drafters(pair)[name]},
                            num_speculative_tokens=k, max_batch=6, max_model_len=256, spec_token_budget=64,
-                           adaptive=False, draft_length="fixed").start()
+                           adaptive=False, draft_length="fixed")
     # Prompts without repeats: lookup finds little, so most rows fall back to the learned part.
     ps = [torch.randint(3, V, (8 + i,), generator=torch.Generator().manual_seed(100 + i)).tolist() for i in range(8)]
-    outs = [h.result() for h in [sched.submit(Request(p, 10)) for p in ps]]
-    sched.shutdown()
+    # All queued before the loop runs (by hand, no scheduler thread): the first 6 rows are admitted
+    # and step together, whatever the machine's timing.
+    outs = drive(sched, [sched.submit(Request(p, 10)) for p in ps])
     monkeypatch.undo()
     assert [o.token_ids for o in outs] == [plain(p, 10) for p in ps]
     crowded = [(f, learned) for f, learned in steps if learned >= 4]

@@ -131,7 +131,7 @@ SUBCOMMANDS = [
     ("bench", "specdec.bench.cli", "benchmark configurations on Spec-Bench prompts"),
     ("chat", "specdec.chat",
      "talk with a model turn by turn, kept loaded: its chat template, a system prompt, /reset, /drafts"),
-    ("models", "specdec.models.presets", "list the named models (--model / --drafter NAME) and whether they are installed"),
+    ("models", "specdec.models.models_cli", "list the named models (--model / --drafter NAME) and whether they are installed"),
     ("train-draft", "specdec.train",
      "train a drafter for a target by self-distillation: an EAGLE-style head or a small draft model"),
 ]

@@ -32,8 +32,8 @@ import torch
 
 from . import policy
 from .drafters import NgramDrafter, SuffixDrafter
-from .drafters.base import Drafter, Proposal, TreeShape
-from .drafters.combined import LEARNED, lookup_first, split_name
+from .drafters.base import Drafter, TreeShape
+from .drafters.combined import lookup_first, split_name
 from .drafters.eagle import eagle_head_path, is_eagle_name, make_eagle_drafter
 from .errors import InvalidRequestError, SpecdecError
 from .models import loader

@@ -44,7 +44,10 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
-from . import cpu_kernels, loader
+from . import build as model_build
+from . import cpu_kernels
+from .gguf_file import read_gguf
+from .transformer import Transformer
 from .cache_dir import build_lock, cache_root
 from .quant import Int4Linear, Int8Embedding, Int8Linear, _alone_on_huge_pages, gather_small_tables
 
@@ -202,9 +205,9 @@ def _write_weights(file: Path, tensors: dict[str, torch.Tensor]) -> dict:
 
 def build(path: Path, folder: Path, quantize: str, layout: str, stamp: dict, progress=None) -> None:
     """Quantise `path` straight from its GGUF tensors (no float32 file) and write the entry."""
-    gguf = loader.read_gguf(path)
-    raw = loader._gguf_config(gguf)
-    cfg = loader.config_from_hf(raw)
+    gguf = read_gguf(path)
+    raw = model_build._gguf_config(gguf)
+    cfg = model_build.config_from_hf(raw)
     count = [0]
     total = len(gguf.tensors)
     if progress is None:  # no caller's counter (a server): our own, on stderr, after the first seconds
@@ -217,8 +220,8 @@ def build(path: Path, folder: Path, quantize: str, layout: str, stamp: dict, pro
         report(count[0], total)
         count[0] += 1
 
-    state = loader.gguf_sources(gguf, raw, read_one)
-    model = loader.build_model(cfg, state, torch.float32, "cpu", quantize)
+    state = model_build.gguf_sources(gguf, raw, read_one)
+    model = model_build.build_model(cfg, state, torch.float32, "cpu", quantize)
     report(total, total)
     if counter is not None:
         counter.close()
@@ -229,10 +232,10 @@ def build(path: Path, folder: Path, quantize: str, layout: str, stamp: dict, pro
         modules, tensors = _module_tensors(model)
         index = _write_weights(tmp / WEIGHTS, tensors)
         del model, tensors, state, gguf
-        loader.release_freed_memory()
+        model_build.release_freed_memory()
         (tmp / "config.json").write_text(json.dumps(raw, indent=1))
         print(f"specdec: reading the tokenizer of {path.name} (once)", file=sys.stderr, flush=True)
-        loader._gguf_tokenizer(path, tmp, raw["model_type"])
+        model_build._gguf_tokenizer(path, tmp, raw["model_type"])
         size = (tmp / WEIGHTS).stat().st_size
         manifest = {"format": 1, "layout": layout, "quantize": quantize, "source": stamp, "modules": modules,
                     "tensors": index, "files": {WEIGHTS: {"size": size, "tail": _tail_hash(tmp / WEIGHTS, size)}},
@@ -371,7 +374,7 @@ def _own_the_rest(model: nn.Module, offsets: dict, read) -> None:
             module.q = read(module.q, torch.empty(module.q.shape, dtype=module.q.dtype))
 
 
-def load_entry(folder: Path, dtype: torch.dtype, device) -> loader.Transformer:
+def load_entry(folder: Path, dtype: torch.dtype, device) -> Transformer:
     """The model of entry `folder`, its tables placed for the kernels (module doc)."""
     manifest = read_manifest(folder)
     if manifest is None:
@@ -379,8 +382,8 @@ def load_entry(folder: Path, dtype: torch.dtype, device) -> loader.Transformer:
     kernels = cpu_kernels.load()
     if kernels is None or manifest.get("layout") != layout_id(kernels):
         raise ModelLoadError(f"{folder}: laid out for other CPU kernels; load its source instead")
-    with loader._skeleton():
-        model = loader.Transformer(loader.read_config(folder))
+    with model_build._skeleton():
+        model = Transformer(model_build.read_config(folder))
     mapped = _mapped_tensors(folder, manifest)
     offsets = {id(mapped[n]): entry["offset"] for n, entry in manifest["tensors"].items()}
     table_bytes = sum(t.numel() * t.element_size() for n, t in mapped.items() if n.endswith(".q"))
