@@ -203,21 +203,24 @@ class Repl:
         self.say("specdec chat: /help lists the commands, /exit or Ctrl-D leaves.")
         while True:
             try:
-                line = input("> ")
+                if self.turn() is False:
+                    return 0
             except EOFError:
                 self.say("")
                 return 0
-            except KeyboardInterrupt:  # at the prompt: drop the line, as a shell does
-                self.say("")
+            except KeyboardInterrupt:  # at the prompt, or between an answer and the next prompt:
+                self.say("")  # drop the line, as a shell does (an answer handles its own)
                 continue
-            line = line.strip()
-            if not line:
-                continue
-            if line.startswith("/"):
-                if self.command(line) is False:
-                    return 0
-                continue
-            self.answer(line)
+
+    def turn(self) -> bool:
+        """Read one line and act on it; False to leave."""
+        line = input("> ").strip()
+        if not line:
+            return True
+        if line.startswith("/"):
+            return self.command(line) is not False
+        self.answer(line)
+        return True
 
     def command(self, line: str) -> bool:
         """Run a /command; False to leave."""
