@@ -20,6 +20,7 @@ from specdec.drafters import DraftModelDrafter, NgramDrafter, SuffixDrafter, Tre
 from specdec.drafters.combined import lookup_first
 from specdec.drafters.eagle import EagleDrafter
 from specdec.models import loader
+from specdec.policy import DraftController
 from specdec.scheduler import BatchScheduler, Request, RequestHandle, serving_drafters
 from specdec.train import TrainConfig, train_model
 
@@ -242,30 +243,33 @@ def test_model_drafter_rows_draft_in_one_batched_forward(pair, plain, monkeypatc
         return real(drafters, contexts, ks)
 
     monkeypatch.setattr(module, "propose_batch", counting)
-    # Every row's drafts, in order, to compare with the same request's drafts alone.
-    drafted: dict[tuple, list] = {}
-    real_draft = Engine._draft
+    # Every row's drafts, in order (by its prompt: the context's start), batched, then alone.
+    ps = prompts(10)
+    drafted: dict[str, dict[tuple, list]] = {"batched": {}, "alone": {}}
+    phase = ["batched"]
+    real_draft = DraftController.draft
 
-    def recording(self, row, plan, made):
-        tree, q, source = real_draft(self, row, plan, made)
-        drafted.setdefault((id(self), tuple(row.prompt)), []).append(tree.tokens)
+    def recording(self, context, plan, made):
+        tree, q, source = real_draft(self, context, plan, made)
+        prompt = next(tuple(p) for p in ps if context[: len(p)] == p)
+        drafted[phase[0]].setdefault(prompt, []).append(tree.tokens)
         return tree, q, source
 
-    monkeypatch.setattr(Engine, "_draft", recording)
+    monkeypatch.setattr(DraftController, "draft", recording)
     alone = Engine(pair["target"], None, drafter=drafters(pair)[kind], num_speculative_tokens=3, draft_length="fixed")
     loaded = drafters(pair)[kind]
     sched = BatchScheduler(pair["target"], None, drafter=kind, drafters={kind: loaded}, num_speculative_tokens=3,
                            max_batch=6, max_model_len=256, spec_token_budget=64, adaptive=False).start()
-    ps = prompts(10)
     limits = [6 + 2 * (i % 4) for i in range(10)]
     outs = [h.result() for h in [sched.submit(Request(p, n)) for p, n in zip(ps, limits)]]
     sched.shutdown()
     assert [o.token_ids for o in outs] == [plain(p, n) for p, n in zip(ps, limits)]
     assert max(widths) > 2  # rows drafted together
+    phase[0] = "alone"
     for p, n in zip(ps, limits):  # ... and drafted what each drafts alone
         assert alone.generate(prompt_ids=p, max_new_tokens=n).token_ids == plain(p, n)
-        batched = drafted[(id(sched.engine), tuple(p))]
-        assert batched == drafted[(id(alone), tuple(p))] and any(batched)
+        batched = drafted["batched"][tuple(p)]
+        assert batched == drafted["alone"][tuple(p)] and any(batched)
     pool = loaded._pool
     assert sorted(pool.free) == list(range(6)) and int(pool.cache.lengths.sum()) == 0  # every row handed back
 
@@ -289,10 +293,10 @@ def test_lookup_first_rows_join_the_batched_forward(pair, plain, monkeypatch, ki
 
     monkeypatch.setattr(counted, "forward", counting_forward)
     sources, steps = [], []  # steps: (the step's forwards, rows that drafted with the learned part)
-    real_draft, real_step = Engine._draft, Engine.step
+    real_draft, real_step = DraftController.draft, Engine.step
 
-    def recording_draft(self, row, plan, made):
-        out = real_draft(self, row, plan, made)
+    def recording_draft(self, context, plan, made):
+        out = real_draft(self, context, plan, made)
         sources.append(out[2])
         return out
 
@@ -303,7 +307,7 @@ def test_lookup_first_rows_join_the_batched_forward(pair, plain, monkeypatch, ki
         steps.append((forwards[before:], sum(s == LEARNED for s in sources)))
         return report
 
-    monkeypatch.setattr(Engine, "_draft", recording_draft)
+    monkeypatch.setattr(DraftController, "draft", recording_draft)
     monkeypatch.setattr(Engine, "step", recording_step)
     name = f"ngram+{kind}"
     k = 3
@@ -337,15 +341,15 @@ def test_server_draft_tree(pair, monkeypatch, capsys):
                                  num_speculative_tokens=3, max_batch=8, max_model_len=256, dtype="float32",
                                  speculation_control="budget", spec_token_budget=64, draft_tree="3x2x6")
     trees = []
-    real_plan = Engine._plan
+    real_plan = DraftController.plan
 
-    def recording_plan(self, row, cap):
-        plan = real_plan(self, row, cap)
+    def recording_plan(self, context, remaining, cap):
+        plan = real_plan(self, context, remaining, cap)
         if isinstance(plan, TokenTree) and not plan.is_chain:
             trees.append(len(plan))
         return plan
 
-    monkeypatch.setattr(Engine, "_plan", recording_plan)
+    monkeypatch.setattr(DraftController, "plan", recording_plan)
     app = ts.create_app(settings, load=lambda s: (engine.model, engine.tokenizer))
     srv = ts.ThreadServer(app).start()
     try:

@@ -403,6 +403,7 @@ def test_serve_with_a_corrupt_model_exits_with_the_load_error(tmp_path):
     last = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert last.startswith("specdec: error: the model failed to load:") and "corrupt.gguf" in last
+    assert "serving" not in res.stderr  # "ready: serving ..." comes only once a model is loaded
     with socket.socket() as s:  # and the port is free again
         s.bind((HOST, port))
 

@@ -28,6 +28,8 @@ a sequence that leaves the batch finished leave their tokens and a copy of their
 store bounded by that many cached tokens (least recently used evicted first; the finished
 sequence's entry replaces its prompt's); a new prompt starts from the longest
 stored prefix of it, copied into its row (`KVCache.import_row`), and its prefill scores the rest.
+Only entries of the request's own `cache_partition` (the server's tenant and cache salt) are
+looked up or extended, and `usage.cached_tokens` counts what was copied from them.
 When that rest is the last token alone and rows are running, there is no prefill: the prompt joins
 the running rows at once, and the next step scores its last token as one more row of its batch
 and emits its first token (`Engine.step`), instead of a one-row forward that reads every weight.
@@ -106,7 +108,7 @@ from .engine import Emitted, Engine, Row, Stats
 from .errors import Fault, InvalidRequestError, SpecdecError
 from .models.transformer import Transformer
 from .policy import GoodputModel, LoadCap
-from .prefix_cache import PrefixCache
+from .prefix_cache import SHARED, Partition, PrefixCache
 from .sampling import SamplingParams
 from .step import TokenLogprob
 from .tokenizer import Tokenizer
@@ -172,12 +174,17 @@ class Request:
     num_speculative_tokens: int | None = None  # None = the scheduler's default k
     logprobs: int | None = None  # None = off; n >= 0: each token's log-prob and n top alternatives
     grammar: object = None  # the request's own `structured.GrammarState` (Engine.compile_structured)
+    # Prefix-cache entries are shared only within one partition (the server's: tenant and cache
+    # salt, `prefix_cache.py`); None: this request neither reuses nor leaves any.
+    cache_partition: Partition | None = SHARED
+    tenant: str = ""  # who sent it (the server's metrics and access log); "" for the library
 
 
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens copied from the prefix cache (the request's own partition)
 
 
 @dataclass(frozen=True)
@@ -292,6 +299,7 @@ class _Sequence:
     admitted: float = 0.0
     first_token: float | None = None
     looked_up: tuple | None = None  # (its prefix cache lookup,) when done ahead of its prefill
+    cached: int = 0  # prompt tokens copied from the prefix cache at admission
     alone: bool = False  # prefilled by itself: a shared prefill with it failed
 
     @property
@@ -577,7 +585,7 @@ class BatchScheduler:
                     # finishes: requests that arrive together with the same system prompt share
                     # it (the next prompt's prefill begins after this one's).
                     held = min(view.length(), len(seq.row.prompt))
-                    self.prefix_cache.insert(seq.row.prompt[:held], self.cache, r)
+                    self._store(seq, seq.row.prompt[:held], r)
                 self._prefilling = None
                 self._running.append(seq)
                 if self._emit(seq, emitted):  # one token asked for, or EOS at once
@@ -592,9 +600,15 @@ class BatchScheduler:
         learned drafter reads the target's hidden state of every prompt token, which a copied prefix
         does not bring: its rows score the whole prompt."""
         drafter = seq.row.drafter
-        if self.prefix_cache is not None and (drafter is None or drafter.needs.observes is None):
-            return self.prefix_cache.lookup(seq.row.prompt)
+        partition = seq.request.cache_partition
+        if self.prefix_cache is not None and partition is not None and (drafter is None or drafter.needs.observes is None):
+            return self.prefix_cache.lookup(seq.row.prompt, partition)
         return None
+
+    def _store(self, seq: _Sequence, tokens: list[int], row: int) -> None:
+        """Leave `tokens` (cache row `row`'s first slots) in the prefix cache, in `seq`'s partition."""
+        if seq.request.cache_partition is not None:
+            self.prefix_cache.insert(tokens, self.cache, row, seq.request.cache_partition)
 
     @staticmethod
     def _last_only(seq: _Sequence, found) -> bool:
@@ -615,6 +629,7 @@ class BatchScheduler:
         if found is not None:
             self.cache.import_row(found[0], r, found[1])
             self.counters.prompt_tokens_cached += found[1]
+            seq.cached = found[1]
 
     def _prefill_cached(self, found, budget: int | None) -> None:
         """Admitted prompts whose every token but the last is in the prefix cache (the first's
@@ -716,7 +731,7 @@ class BatchScheduler:
         if self.prefix_cache is not None and reason in ("stop", "length"):
             # The committed tokens: the cache may also hold accepted drafts past a stop.
             held = min(self.cache.length(row), len(seq.row.context))
-            self.prefix_cache.insert(seq.row.context[:held], self.cache, row)
+            self._store(seq, seq.row.context[:held], row)
         last = len(self._running) - 1
         if row != last:
             self.cache.move_row(last, row)
@@ -745,7 +760,7 @@ class BatchScheduler:
             tpot = (now - seq.first_token) / (stats.new_tokens - 1) if stats.new_tokens > 1 else None
             timing = Timing(seq.admitted - seq.arrival, ttft, now - seq.arrival, tpot)
         delta = Delta(text, tokens or [], logprobs, reason,
-                      Usage(len(seq.request.prompt_ids), len(row.out.ids)), stats, timing, error)
+                      Usage(len(seq.request.prompt_ids), len(row.out.ids), seq.cached), stats, timing, error)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         seq.handle._put(delta)
         if self.on_finish is not None:

@@ -1,8 +1,11 @@
 """The FastAPI app: a thin adapter from OpenAI-shaped HTTP requests to the `BatchScheduler`.
 
-Every request is checked in the same order: draining (503), API key (401), model loaded (503),
-content type (415), body (400), model name (404), prompt and limits (400), then queued (429 when
-the queue is full). Errors are always the OpenAI error object `{"error": {"message", "type",
+Every request is checked in the same order: draining (503), body size (413, from Content-Length
+before the body is read, and while reading it), API key (401: which tenant, `tenants.py`), model
+loaded (503), content type (415), body (400), model name (404), the tenant's places (429 when it
+has `concurrency` requests generating and `queue` waiting), prompt and limits (400), then queued
+(429 when the scheduler's queue is full). Tokenising and rendering the chat template run in a
+worker thread, so a large prompt never holds up the event loop (and `/health`). Errors are always the OpenAI error object `{"error": {"message", "type",
 "param", "code"}}`, `code` being a string or null as in OpenAI's API; 429 and 503 carry
 `Retry-After`. On the streaming path the same checks run before the first byte, so a bad streaming
 request gets the same status and object. A fault after streaming started is sent as a
@@ -11,7 +14,16 @@ since the server drops that connection after it; every other error keeps the con
 
 The model loads in a background thread so that `/health` can answer 503 while it loads; a load
 that fails is logged (or handed to `on_load_error`, which `specdec serve` uses to exit with the
-error) and every request then gets 503 with the reason.
+error) and every request then gets 503 with the reason; one that succeeds calls `on_ready` (where
+`specdec serve` says it is serving).
+
+Tenants and what they share. With keys set, every route but `/health` needs a key: `/v1/*` a
+tenant's, `/metrics` a tenant's or the `metrics_key`, `/docs`, `/redoc` and `/openapi.json` any of
+them. The prefix cache is partitioned by tenant and by the request's `cache_salt`
+(`settings.cache_salt`, `tenants.cache_partition`); `usage.prompt_tokens_details.cached_tokens`
+counts the request's own partition's hits. With several tenants a tenant's `/metrics` shows its
+own requests only; the server-wide families (whose counters move with other tenants' requests)
+need the metrics key. `/health` says only whether the server is up.
 
 Draining (`begin_drain`, which `specdec serve` calls on SIGTERM): the listening socket stays open
 and every new request gets 503 with `Connection: close` while the requests in flight finish;
@@ -21,12 +33,11 @@ and every new request gets 503 with `Connection: close` while the requests in fl
 from __future__ import annotations
 
 import asyncio
-import hmac
+import dataclasses
 import json
 import logging
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -35,6 +46,7 @@ from ..extras import SERVER_MODULES, require
 require("server", "specdec.server.app", *SERVER_MODULES)
 
 from fastapi import FastAPI, Request  # noqa: E402 (after the check that says what to install)
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -49,6 +61,8 @@ from ..scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_TOKENS, serv
 from ..tokenizer import Tokenizer
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling, parse
+from .tenants import KeyRing, Tenant, TenantGate, cache_partition
+from .wire import AccessLog, BodyLimit, BodyTooLarge, Totals, default_body_limit, error_body, too_large_body
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI completions default; chat defaults to the context left
 MAX_JSON_DEPTH = 64  # request bodies nest 4 deep; anything near Python's recursion limit is an attack
@@ -71,7 +85,11 @@ class ServerSettings:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per step while others run; 0 = whole prompts
     prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS  # cached tokens kept for reuse; 0 = off
     speculation_control: str = "goodput"  # "goodput": learn when drafting pays; "budget": the ceiling only
-    api_key: str | None = None
+    api_key: str | None = None  # one tenant, `default`
+    api_keys_file: str | None = None  # one tenant a line, with its limits (`tenants.py`)
+    metrics_key: str | None = None  # a key for /metrics alone (all tenants' and server-wide figures)
+    cache_salt: str = "request"  # prefix-cache sharing: request | tenant | off (`tenants.cache_partition`)
+    max_body_bytes: int | None = None  # None: sized to max_model_len (`wire.default_body_limit`)
     dtype: str = "auto"
     device: str = "cpu"
     quantize: str = "none"
@@ -92,6 +110,29 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set once (begin_drain); read by the gate in front of every request
     in_flight: int = 0  # HTTP requests inside the app (event-loop thread only)
+    keys: KeyRing | None = None
+    gate: TenantGate = field(default_factory=TenantGate)
+    totals: Totals = field(default_factory=Totals)  # what the access log saw
+    loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
+
+    def reload_keys(self) -> bool:
+        """Read the keys file again (SIGHUP); a file that does not parse keeps the old keys."""
+        reloaded = self.keys.reload()
+        if reloaded:
+            self.apply_shares()
+        return reloaded
+
+    def apply_shares(self) -> None:
+        """Each tenant's part of the prefix cache, from its `cache_share`."""
+        cache = self.scheduler.prefix_cache if self.scheduler is not None else None
+        if cache is not None:
+            cache.owner_budgets = {t.name: int(t.cache_share * cache.budget) for t in self.keys.tenants}
+
+    def finished(self, request: GenRequest, delta: Delta) -> None:
+        """The scheduler finished `request` (its thread): metrics, and the tenant's place back."""
+        self.metrics.observe(request, delta)
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.gate.release, request.tenant)
 
     def begin_drain(self) -> None:
         """Answer 503 to every new request from now on; those in flight finish."""
@@ -105,13 +146,6 @@ class APIError(Exception):
                  code: str | None = None):
         super().__init__(message)
         self.status, self.error_type, self.param, self.code = status, error_type, param, code
-
-
-def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
-    # A message quoting the client's text could hold a lone surrogate, which UTF-8 cannot encode:
-    # escape it rather than fail while reporting the error.
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, error_type: str, param: str | None = None, code: str | None = None,
@@ -138,13 +172,18 @@ def load_model(settings: ServerSettings) -> tuple[Transformer, Tokenizer | None]
 
 def create_app(settings: ServerSettings,
                load: Callable[[ServerSettings], tuple[Transformer, Tokenizer | None]] = load_model,
-               on_load_error: Callable[[str], None] | None = None) -> FastAPI:
+               on_load_error: Callable[[str], None] | None = None,
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
     """The app for `settings`; `load` makes the model (tests pass an already-loaded one).
 
     `on_load_error(reason)` is called (from the loading thread) when the load fails; without it the
-    failure is logged. Either way requests then get 503 with the reason.
+    failure is logged. Either way requests then get 503 with the reason. `on_ready()` is called
+    (from the loading thread) once requests are served.
     """
     state = ServerState(settings)
+    state.keys = KeyRing.build(settings.api_key, settings.api_keys_file, settings.max_batch, settings.max_queue,
+                               settings.metrics_key)
+    body_limit = settings.max_body_bytes or default_body_limit(settings.max_model_len)
 
     def load_in_background() -> None:
         try:
@@ -163,28 +202,42 @@ def create_app(settings: ServerSettings,
                 spec_token_budget=settings.spec_token_budget, prefill_chunk=settings.prefill_chunk,
                 prefix_cache_tokens=settings.prefix_cache_tokens,
                 max_speculative_tokens=max(16, settings.num_speculative_tokens),
-                adaptive=settings.speculation_control == "goodput", on_finish=state.metrics.observe,
+                adaptive=settings.speculation_control == "goodput", on_finish=state.finished,
                 kv_dtype=settings.kv_dtype)
             state.tokenizer = tokenizer
-            state.scheduler = scheduler.start()
+            state.scheduler = scheduler
+            state.apply_shares()
+            scheduler.start()
         except Exception as exc:  # reported by /health and every request
             state.load_error = f"{type(exc).__name__}: {exc}"
             if on_load_error is not None:
                 on_load_error(state.load_error)
             else:
                 log.error("specdec: the model failed to load: %s", state.load_error)
+            return
+        if on_ready is not None:
+            on_ready()
 
     async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
         threading.Thread(target=load_in_background, name="specdec-load", daemon=True).start()
         yield
         # Uvicorn has already waited for in-flight HTTP requests (graceful shutdown); this drains
         # anything the scheduler still holds and stops its thread.
         if state.scheduler is not None:
             await asyncio.to_thread(state.scheduler.shutdown, True, 60.0)
+        log.info("%s", state.totals.summary())
 
-    app = FastAPI(title="specdec", lifespan=lifespan)
+    # The docs and the schema are routes of their own below, behind the key.
+    app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.specdec = state
+    app.add_middleware(BodyLimit, limit=body_limit)
     app.add_middleware(_Gate, state=state)
+    app.add_middleware(AccessLog, totals=state.totals)  # outermost: every answer gets its line
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, exc: BodyTooLarge):
+        return JSONResponse(too_large_body(body_limit), status_code=413, headers={"Connection": "close"})
 
     @app.exception_handler(SpecdecError)
     async def _specdec_error(request: Request, exc: SpecdecError):
@@ -209,14 +262,40 @@ def create_app(settings: ServerSettings,
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error",
                               headers={"Connection": "close"})
 
-    def check_key(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        # RFC 9110: the scheme name is case-insensitive ("bearer" = "Bearer"); the key is not.
-        scheme, _, key = request.headers.get("authorization", "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
+    def check_key(request: Request) -> Tenant:
+        """The request's tenant, by its key (401 for no or a wrong key)."""
+        tenant = state.keys.identify(request.headers.get("authorization"))
+        if tenant is None:
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            "invalid_request_error", None, "invalid_api_key")
+        request.scope["specdec.access"].tenant = tenant.name
+        return tenant
+
+    def metrics_scope(request: Request) -> str | None:
+        """Whose figures the caller may read on /metrics: None = all (the metrics key, a server
+        without keys or with one tenant), else its own tenant's name."""
+        if state.keys.is_metrics_key(request.headers.get("authorization")):
+            request.scope["specdec.access"].tenant = "(metrics)"
+            return None
+        tenant = check_key(request)
+        return tenant.name if len(state.keys.tenants) > 1 else None
+
+    async def submit(request: Request, tenant: Tenant, body: _Sampling, scheduler: BatchScheduler,
+                     tokenize: Callable[[], list[int]], max_tokens: int | None, logprobs: int | None) -> RequestHandle:
+        """Wait for one of the tenant's places (429 when its queue is full), tokenise off the event
+        loop, and queue the request; its place is given back when the scheduler finishes it."""
+        await state.gate.acquire(tenant)
+        try:
+            ids = await asyncio.to_thread(tokenize)
+            gen = gen_request(body, ids, max_tokens, logprobs, scheduler)
+            gen = dataclasses.replace(gen, tenant=tenant.name,
+                                      cache_partition=cache_partition(settings.cache_salt, tenant, body.cache_salt))
+            handle = scheduler.submit(gen, asyncio.get_running_loop())
+        except BaseException:
+            state.gate.release(tenant.name)
+            raise
+        request.scope["specdec.access"].prompt_tokens = len(ids)
+        return handle
 
     def ready() -> BatchScheduler:
         if state.load_error is not None:
@@ -295,9 +374,25 @@ def create_app(settings: ServerSettings,
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics():
-        return PlainTextResponse(state.metrics.render(state.scheduler, settings.served_model_name),
+    async def metrics(request: Request):
+        scope = metrics_scope(request)
+        return PlainTextResponse(state.metrics.render(state.scheduler, settings.served_model_name, scope),
                                  media_type="text/plain; version=0.0.4")
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_json(request: Request):
+        metrics_scope(request)
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request):
+        metrics_scope(request)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="specdec")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request):
+        metrics_scope(request)
+        return get_redoc_html(openapi_url="/openapi.json", title="specdec")
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -309,15 +404,16 @@ def create_app(settings: ServerSettings,
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        check_key(request)
+        tenant = check_key(request)
         scheduler = ready()
         body = parse(CompletionRequest, await body_of(request))
         check_model(body.model)
         prompt = body.single_prompt
-        ids = text_ids(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
-        gen = gen_request(body, ids, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, body.logprobs, scheduler)
-        handle = scheduler.submit(gen, asyncio.get_running_loop())
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        handle = await submit(request, tenant, body, scheduler,
+                              lambda: text_ids(prompt, "prompt") if isinstance(prompt, str) else list(prompt),
+                              body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, body.logprobs)
+        access = request.scope["specdec.access"]
+        rid, created = f"cmpl-{access.id}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": settings.served_model_name}
 
         def logprobs_of(items: list[TokenLogprob] | None, offset: int) -> dict | None:
@@ -336,6 +432,7 @@ def create_app(settings: ServerSettings,
             done = await collect(handle, request)
             if done is None:  # nobody reads this
                 return error_response(499, "client disconnected", "cancelled")
+            note(access, done[-1])
             raise_fault(done[-1])
             result = RequestHandle.collect(done)
             return {**base, "choices": [{"index": 0, "text": result.text, "logprobs": logprobs_of(result.logprobs, 0),
@@ -345,6 +442,7 @@ def create_app(settings: ServerSettings,
         async def events():
             offset = 0
             async for delta in guarded(handle):
+                note(access, delta)
                 if delta.finish_reason == "error":
                     yield sse(fault_body(delta.error))
                     break
@@ -364,20 +462,20 @@ def create_app(settings: ServerSettings,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        check_key(request)
+        tenant = check_key(request)
         scheduler = ready()
         body = parse(ChatCompletionRequest, await body_of(request))
         check_model(body.model)
-        if state.tokenizer is None:
+        tokenizer = state.tokenizer
+        if tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer, so no chat template: use /v1/completions "
                                       "with token ids", "messages")
-        ids = state.tokenizer.encode_chat([m.as_template_dict() for m in body.messages], body.add_generation_prompt,
-                                          body.continue_final_message)
         top = body.top_logprobs or 0
-        gen = gen_request(body, ids, body.max_completion_tokens or body.max_tokens, top if body.logprobs else None,
-                          scheduler)
-        handle = scheduler.submit(gen, asyncio.get_running_loop())
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        handle = await submit(request, tenant, body, scheduler, lambda: tokenizer.encode_chat(
+            [m.as_template_dict() for m in body.messages], body.add_generation_prompt, body.continue_final_message),
+                              body.max_completion_tokens or body.max_tokens, top if body.logprobs else None)
+        access = request.scope["specdec.access"]
+        rid, created = f"chatcmpl-{access.id}", int(time.time())
         base = {"id": rid, "created": created, "model": settings.served_model_name}
 
         def logprobs_of(items: list[TokenLogprob] | None) -> dict | None:
@@ -395,6 +493,7 @@ def create_app(settings: ServerSettings,
             done = await collect(handle, request)
             if done is None:  # nobody reads this
                 return error_response(499, "client disconnected", "cancelled")
+            note(access, done[-1])
             raise_fault(done[-1])
             result = RequestHandle.collect(done)
             return {**base, "object": "chat.completion",
@@ -408,6 +507,7 @@ def create_app(settings: ServerSettings,
             yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}], **extra})
             async for delta in guarded(handle):
+                note(access, delta)
                 if delta.finish_reason == "error":
                     yield sse(fault_body(delta.error))
                     break
@@ -491,7 +591,16 @@ def sse(payload: dict) -> str:
 
 def usage_dict(usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def note(access, delta: Delta) -> None:
+    """What the access line says of a finished request (its last delta carries the totals)."""
+    if delta.usage is not None:
+        access.completion_tokens, access.cached_tokens = delta.usage.completion_tokens, delta.usage.cached_tokens
+    if delta.stats is not None:
+        access.forwards = delta.stats.target_forwards
 
 
 class RowFault(APIError):

@@ -2,6 +2,11 @@
 
 Exit status: 0 after a drain (SIGTERM or Ctrl-C); 2 with one error line for bad options, a model
 path that cannot be a model, a port that is taken, or a model that fails to load in the background.
+
+What it says on stderr: "loading" once the port is bound, "ready: serving ... on URL" once the
+model is loaded (never before: a model that fails to load prints its error instead), one access
+line per request (`wire.py`; never the prompt or the key), and a summary line at shutdown. SIGHUP
+reloads the keys file (`tenants.py`).
 """
 
 from __future__ import annotations
@@ -59,7 +64,22 @@ def add_arguments(parser) -> None:
                              "memory: this times the KV bytes per token (18 KiB for Gemma 3 270M in float16, the default "
                              "on the CPU; 36 KiB in float32); "
                              "0 = off")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health (one tenant, 'default')")
+    parser.add_argument("--api-keys-file", default=None, metavar="FILE",
+                        help="several keys, one tenant a line: 'TENANT KEY [concurrency=N] [queue=N] "
+                             "[cache_share=F]' (defaults: --max-batch, --max-queue, 1/number of tenants; README, "
+                             "Security); cached prompt prefixes are never shared between tenants; reloaded on SIGHUP")
+    parser.add_argument("--metrics-key", default=None, metavar="KEY",
+                        help="a key that reads /metrics, with the server-wide figures, and the docs, and cannot "
+                             "generate (with several tenants a tenant's key reads its own figures only)")
+    parser.add_argument("--cache-salt", default="request", choices=["request", "tenant", "off"],
+                        help="who shares cached prompt prefixes: request = requests of one tenant with the same "
+                             "`cache_salt` field (none is a salt too); tenant = every request of one tenant "
+                             "(salts ignored); off = nothing is shared")
+    parser.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                        help="request bodies larger than this get 413 (default: 64 bytes per token of "
+                             "--max-model-len, at least 1 MiB)")
     parser.add_argument("--dtype", default="auto",
                         help="auto (bfloat16 on CUDA and on CPUs with native bfloat16, float32 otherwise and for "
                              "int8) | float32 | bfloat16 | float16")
@@ -107,6 +127,12 @@ def settings_from_args(args):
     for name in ("max_queue", "prefill_chunk", "prefix_cache_tokens"):
         if getattr(args, name) < 0:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 0", name)
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        raise InvalidRequestError("--max-body-bytes must be >= 1", "max_body_bytes")
+    from .tenants import KeyRing
+
+    # A keys file that does not parse: one line naming it (never a key), before the port is bound.
+    KeyRing.build(args.api_key, args.api_keys_file, args.max_batch, args.max_queue, args.metrics_key)
     replica_flags = ("min_replicas", "max_replicas", "target_ongoing_requests", "ray_address", "ray_num_cpus")
     if args.replicas < 0:
         raise InvalidRequestError("--replicas must be >= 0", "replicas")
@@ -150,7 +176,9 @@ def settings_from_args(args):
                           max_queue=args.max_queue, max_model_len=args.max_model_len,
                           spec_token_budget=args.spec_token_budget, prefill_chunk=args.prefill_chunk,
                           prefix_cache_tokens=0 if args.tensor_parallel != 1 else args.prefix_cache_tokens,
-                          speculation_control=args.speculation_control, api_key=args.api_key, dtype=args.dtype,
+                          speculation_control=args.speculation_control, api_key=args.api_key,
+                          api_keys_file=args.api_keys_file, metrics_key=args.metrics_key, cache_salt=args.cache_salt,
+                          max_body_bytes=args.max_body_bytes, dtype=args.dtype,
                           device=args.device, quantize=args.quantize, tensor_parallel=args.tensor_parallel,
                           draft_tree=args.draft_tree, kv_dtype=args.kv_dtype)
 
@@ -188,6 +216,7 @@ def run(args) -> int:
     from ..settings import DecodingSettings
     from ..models.loader import check_path
     from .app import create_app
+    from .wire import http_protocol
 
     settings = settings_from_args(args)
     # Fail on a bad device, dtype, quantisation, model path or port before saying "serving"; the
@@ -215,23 +244,44 @@ def run(args) -> int:
         return ray_app.run(args, settings)
     sock = bind(args.host, args.port)
     load_errors: list[str] = []
+    port = sock.getsockname()[1]  # --port 0: the one the system picked
+    url = f"http://{args.host}:{port}"
 
     def on_load_error(reason: str) -> None:  # the loading thread
         load_errors.append(reason)
         server.should_exit = True
 
-    app = create_app(settings, on_load_error=on_load_error)
-    server = _draining_server(uvicorn.Config(app, log_level=args.log_level), app.state.specdec)
+    def on_ready() -> None:  # the loading thread
+        print(f"specdec: ready: serving {settings.served_model_name!r} on {url}", file=sys.stderr, flush=True)
+
+    _log_to_stderr()
+    app = create_app(settings, on_load_error=on_load_error, on_ready=on_ready)
+    state = app.state.specdec
+    server = _draining_server(uvicorn.Config(app, log_level=args.log_level, http=http_protocol()), state)
     # After a second signal uvicorn raises it again once it has stopped, under the handler that
     # was there before; for SIGTERM that handler does nothing, so the exit status stays 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    port = sock.getsockname()[1]  # --port 0: the one the system picked
-    print(f"specdec: serving {settings.served_model_name!r} on http://{args.host}:{port} "
-          f"(model loads in the background; GET /health says when it is ready)", file=sys.stderr)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, lambda signum, frame: state.reload_keys())
+    print(f"specdec: loading {settings.model!r} (listening on {url}; /health answers 503 until it is ready)",
+          file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     if load_errors:
         raise ModelLoadError(f"the model failed to load: {load_errors[0]}")
     return 0
+
+
+def _log_to_stderr() -> None:
+    """The access lines, the keys file's reloads and the summary at shutdown, one line each."""
+    import logging
+
+    logger = logging.getLogger("specdec.server")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def _draining_server(config, state):

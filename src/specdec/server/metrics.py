@@ -5,6 +5,14 @@ Counters of tokens and speculation come straight from the scheduler's cumulative
 when /metrics is scraped (a collector over them, in a registry of this server's own: nothing is
 registered process-wide); the latency histograms are filled by `ServerMetrics.observe`, which the
 scheduler calls (from its thread) for every finished request.
+
+Who reads what. Server-wide counters move with every tenant's requests: prefix-cache hit tokens
+would tell one tenant, scrape by scrape, how much of its guess matched a prompt in the cache if
+the cache were shared, and the rest say when others are busy. So the families are in two views:
+`render(..., tenant=None)` (the operator's: a server without keys or with one tenant, or the
+metrics key) has them all, plus every tenant's own families labelled `tenant`; `render(...,
+tenant=NAME)` (a tenant's key when there are several) has that tenant's own families alone:
+its requests, tokens, prefix-cache hit tokens (its own partitions') and latencies.
 """
 
 from __future__ import annotations
@@ -46,8 +54,21 @@ class Histogram:
         return out
 
 
+@dataclass
+class TenantFigures:
+    """One tenant's own requests (what its key may read on /metrics)."""
+
+    finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> requests
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens from the prefix cache (its own partitions')
+    generation_tokens: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+
+
 class ServerMetrics:
-    """Latency histograms per finished request (thread-safe: written by the scheduler thread)."""
+    """Latency histograms per finished request, server-wide and per tenant (thread-safe: written
+    by the scheduler thread)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -55,25 +76,67 @@ class ServerMetrics:
         self.tpot = Histogram(LATENCY_BUCKETS)
         self.e2e = Histogram(LATENCY_BUCKETS)
         self.queue = Histogram(LATENCY_BUCKETS)
+        self.tenants: dict[str, TenantFigures] = {}
 
     def observe(self, request: Request, delta: Delta) -> None:
-        if delta.timing is None or delta.finish_reason not in ("stop", "length"):
-            return
-        t = delta.timing
         with self._lock:
+            mine = self.tenants.setdefault(request.tenant, TenantFigures())
+            mine.finished[delta.finish_reason] = mine.finished.get(delta.finish_reason, 0) + 1
+            if delta.usage is not None:
+                mine.prompt_tokens += delta.usage.prompt_tokens
+                mine.cached_tokens += delta.usage.cached_tokens
+                mine.generation_tokens += delta.usage.completion_tokens
+            if delta.timing is None or delta.finish_reason not in ("stop", "length"):
+                return
+            t = delta.timing
+            mine.ttft.observe(t.ttft_s)
+            mine.e2e.observe(t.e2e_s)
             self.ttft.observe(t.ttft_s)
             self.e2e.observe(t.e2e_s)
             self.queue.observe(t.queue_s)
             if t.tpot_s is not None:
                 self.tpot.observe(t.tpot_s)
 
-    def render(self, scheduler: BatchScheduler | None, model_name: str) -> str:
+    def render(self, scheduler: BatchScheduler | None, model_name: str, tenant: str | None = None) -> str:
+        """The text /metrics answers: every family (`tenant` None), or `tenant`'s own only."""
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Snapshot(self, scheduler, model_name))
+        registry.register(_Snapshot(self, scheduler, model_name, tenant))
         return generate_latest(registry).decode()
 
+    def tenant_families(self, model_name: str, only: str | None):
+        """Per-tenant families, labelled `tenant`: every tenant's, or `only`'s."""
+        with self._lock:
+            figures = {name: f for name, f in sorted(self.tenants.items()) if only is None or name == only}
+            if only is not None and not figures:
+                figures = {only: TenantFigures()}
+            for name, help_text, value in (
+                ("tenant_prompt_tokens_total", "Prompt tokens of the tenant's finished requests.",
+                 lambda f: f.prompt_tokens),
+                ("tenant_prefix_cache_hit_tokens_total",
+                 "The tenant's prompt tokens that came from its own prefix-cache partitions.", lambda f: f.cached_tokens),
+                ("tenant_generation_tokens_total", "Tokens generated for the tenant.", lambda f: f.generation_tokens),
+            ):
+                family = CounterMetricFamily(f"specdec:{name}", help_text, labels=["model_name", "tenant"])
+                for tenant, f in figures.items():
+                    family.add_metric([model_name, tenant], value(f))
+                yield family
+            family = CounterMetricFamily("specdec:tenant_request_success_total",
+                                         "The tenant's finished requests by finish reason.",
+                                         labels=["model_name", "tenant", "finished_reason"])
+            for tenant, f in figures.items():
+                for reason, n in sorted(f.finished.items()):
+                    family.add_metric([model_name, tenant, reason], n)
+            yield family
+            for name, attr, help_text in (("tenant_time_to_first_token_seconds", "ttft", "Arrival to first token."),
+                                          ("tenant_e2e_request_latency_seconds", "e2e", "Arrival to last token.")):
+                family = HistogramMetricFamily(f"specdec:{name}", help_text, labels=["model_name", "tenant"])
+                for tenant, f in figures.items():
+                    hist = getattr(f, attr)
+                    family.add_metric([model_name, tenant], hist.cumulative(), sum_value=hist.total)
+                yield family
+
     def families(self, scheduler: BatchScheduler | None, model_name: str):
-        """Every metric family as it stands now, each sample labelled with `model_name` first."""
+        """Every server-wide metric family as it stands now, each sample labelled with `model_name` first."""
 
         def family(kind, name: str, help_text: str, samples: list[tuple[dict, float]]):
             extra = list(samples[0][0]) if samples else []
@@ -94,6 +157,10 @@ class ServerMetrics:
             yield family(counter, "prefix_cache_hit_tokens_total",
                          "Prompt tokens whose KV entries came from the prefix cache instead of a prefill.",
                          [({}, c.prompt_tokens_cached)])
+            if scheduler.prefix_cache is not None:
+                yield family(counter, "prefix_cache_cross_partition_hit_tokens_total",
+                             "Prompt tokens copied from another tenant's or salt's prefix-cache entry (always 0).",
+                             [({}, scheduler.prefix_cache.stats.cross_partition_hit_tokens)])
             yield family(counter, "generation_tokens_total", "Generated tokens.", [({}, c.generation_tokens)])
             yield family(counter, "request_success_total", "Finished requests by finish reason.",
                          [({"finished_reason": r}, v) for r, v in sorted(c.finished.items())])
@@ -133,8 +200,11 @@ class ServerMetrics:
 class _Snapshot:
     """A `prometheus_client` collector over one server's metrics for one scrape."""
 
-    def __init__(self, metrics: ServerMetrics, scheduler: BatchScheduler | None, model_name: str):
-        self.metrics, self.scheduler, self.model_name = metrics, scheduler, model_name
+    def __init__(self, metrics: ServerMetrics, scheduler: BatchScheduler | None, model_name: str,
+                 tenant: str | None):
+        self.metrics, self.scheduler, self.model_name, self.tenant = metrics, scheduler, model_name, tenant
 
     def collect(self):
-        return self.metrics.families(self.scheduler, self.model_name)
+        if self.tenant is None:
+            yield from self.metrics.families(self.scheduler, self.model_name)
+        yield from self.metrics.tenant_families(self.model_name, self.tenant)

@@ -28,6 +28,7 @@ from ..structured import StructuredSpec
 MAX_STOP = 16
 MAX_TOKEN_ID_DIGITS = 9
 MAX_TOP_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 256  # a salt is a secret of a few dozen characters; 256 leaves room
 
 
 def _whole_number(value: object) -> object:
@@ -183,6 +184,11 @@ class _Sampling(_Strict):
     guided_grammar: Any = None
     # OpenAI's end-user id (for abuse monitoring): accepted, changes nothing by definition.
     user: Text | None = None
+    # vLLM's prefix-cache salt: only requests of the same tenant and salt share cached prefixes
+    # (the server's --cache-salt says whether salts are honoured). OpenAI's prompt_cache_key is a
+    # routing hint: accepted; cached prefixes never cross tenants whatever it says.
+    cache_salt: Text | None = None
+    prompt_cache_key: Text | None = None
 
     _not_implemented: ClassVar[dict[str, tuple[tuple, str]]] = _COMMON_NOT_IMPLEMENTED
 
@@ -196,6 +202,11 @@ class _Sampling(_Strict):
                 raise InvalidRequestError(f"logit_bias: token id {key[:40]}... is out of range", "logit_bias")
             if not -100 <= value <= 100:
                 raise InvalidRequestError(f"logit_bias: values must be in [-100, 100], got {value}", "logit_bias")
+        for name in ("cache_salt", "prompt_cache_key"):
+            value = getattr(self, name)
+            if value is not None and not 1 <= len(value) <= MAX_CACHE_SALT_CHARS:
+                raise InvalidRequestError(f"{name} must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                                          f"characters, got {len(value)}", name)
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise InvalidRequestError(f"at most {MAX_STOP} stop sequences", "stop")
         if "" in self.stop_list:

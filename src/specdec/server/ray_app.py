@@ -40,7 +40,7 @@ import time
 import ray
 from ray import serve
 
-from .app import ServerSettings, create_app, load_model
+from .app import ServerSettings, create_app, error_response, load_model
 
 PUSH_S = 2.0  # how often a replica pushes its metrics text to the hub
 STALE_S = 30.0  # a replica that has not pushed for this long (dead or replaced) drops out of /metrics
@@ -123,11 +123,17 @@ class SpecdecServer:
         if self._hub is not None:
             app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/metrics"]
 
-            async def all_replicas_metrics():
+            async def all_replicas_metrics(request):  # a plain Starlette route: called with the request
+                # Every replica's server-wide figures: the metrics key's (or the one tenant's).
+                keys, header = app.state.specdec.keys, request.headers.get("authorization")
+                if not (keys.open or keys.is_metrics_key(header)
+                        or (len(keys.tenants) == 1 and keys.identify(header) is not None)):
+                    return error_response(401, "the combined /metrics needs the metrics key (--metrics-key)",
+                                          "invalid_request_error", None, "invalid_api_key")
                 await self._push()
                 return PlainTextResponse(await self._hub.render.remote(), media_type="text/plain; version=0.0.4")
 
-            app.add_api_route("/metrics", all_replicas_metrics, methods=["GET"], response_class=PlainTextResponse)
+            app.add_route("/metrics", all_replicas_metrics, methods=["GET"])
         return app
 
     def _own_metrics(self) -> str:
