@@ -861,7 +861,7 @@ class Engine:
         return Emitted([first], text, logprobs)
 
     @torch.inference_mode()
-    def step(self, rows: list[Row], cache: KVCache, cap: int | None = None) -> StepReport:
+    def step(self, rows: list[Row], cache: KVCache, cap: int | list[int] | None = None) -> StepReport:
         """One decoding step for every row (unfinished, prefilled): rows[r] lives in cache row r.
         The phases and how a row's fault stays in its row: `step.py`.
 
@@ -869,8 +869,8 @@ class Engine:
         cache hit) and nothing emitted yet: the step scores that token in its block and emits its
         first token, what `prefill_last` would give, without a forward of its own.
 
-        `cap`: the batch's load cap on each row's draft length (`policy.LoadCap`); rows with a
-        fixed k (seeded sampling) ignore it.
+        `cap`: the batch's load cap on each row's draft length (`policy.LoadCap`), or one per row;
+        rows with a fixed k (seeded sampling) ignore it.
         """
         return step_phases.run(self, rows, cache, cap)
 

@@ -52,6 +52,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..drafters.base import TreeShape
+from ..drafters.prediction import Prediction
 from ..errors import Fault, InvalidRequestError, SpecdecError
 from ..models.transformer import Transformer
 from ..sampling import SamplingParams
@@ -286,8 +287,8 @@ def create_app(settings: ServerSettings,
         loop, and queue the request; its place is given back when the scheduler finishes it."""
         await state.gate.acquire(tenant)
         try:
-            ids = await asyncio.to_thread(tokenize)
-            gen = gen_request(body, ids, max_tokens, logprobs, scheduler)
+            ids, predicted = await asyncio.to_thread(lambda: (tokenize(), prediction_of(body)))
+            gen = gen_request(body, ids, max_tokens, logprobs, scheduler, predicted)
             gen = dataclasses.replace(gen, tenant=tenant.name,
                                       cache_partition=cache_partition(settings.cache_salt, tenant, body.cache_salt))
             handle = scheduler.submit(gen, asyncio.get_running_loop())
@@ -335,8 +336,13 @@ def create_app(settings: ServerSettings,
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{settings.served_model_name!r}", "invalid_request_error", "model", "model_not_found")
 
+    def prediction_of(body: _Sampling) -> Prediction | None:
+        """The request's prediction tokenised on its own (off the event loop), or None."""
+        text = body.prediction_text
+        return None if text is None else Prediction.of(text, state.tokenizer)
+
     def gen_request(body: _Sampling, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None,
-                    scheduler: BatchScheduler) -> GenRequest:
+                    scheduler: BatchScheduler, prediction: Prediction | None = None) -> GenRequest:
         if max_tokens is None:
             max_tokens = max(1, scheduler.max_model_len - len(prompt_ids))
         sampling = SamplingParams(body.temperature, max(0, body.top_k), body.top_p, body.min_p, body.seed,
@@ -351,7 +357,8 @@ def create_app(settings: ServerSettings,
             drafter, k = body.speculative.drafter, body.speculative.num_tokens
         spec = body.structured
         grammar = scheduler.engine.compile_structured(spec) if spec is not None else None
-        return GenRequest(prompt_ids, max_tokens, sampling, body.stop_list, drafter, k, logprobs, grammar)
+        return GenRequest(prompt_ids, max_tokens, sampling, body.stop_list, drafter, k, logprobs, grammar,
+                          prediction=prediction)
 
     def text_ids(text: str, param: str) -> list[int]:
         if not text:
@@ -592,7 +599,10 @@ def sse(payload: dict) -> str:
 def usage_dict(usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+            **({} if usage.prediction is None else {"completion_tokens_details": {
+                "accepted_prediction_tokens": usage.prediction.accepted,
+                "rejected_prediction_tokens": usage.prediction.rejected}})}
 
 
 def note(access, delta: Delta) -> None:
