@@ -196,6 +196,28 @@ def load_engine(args):
                        tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype)
 
 
+def _compare(engine, kwargs: dict, args) -> int:
+    """--compare: plain and speculative decoding of the same request, both printed (or one JSON)."""
+    engine.generate(**{**kwargs, "max_new_tokens": 4})  # warm-up so the first timing is fair
+    plain = engine.generate(**kwargs, speculative=False)
+    spec = engine.generate(**kwargs)
+    result = {
+        "plain": {"text": plain.text, "tokens_per_s": plain.stats.tokens_per_s},
+        "speculative": {"text": spec.text, "tokens_per_s": spec.stats.tokens_per_s,
+                        "stats": spec.stats.as_dict(), **_prediction_usage(spec)},
+        "speedup": spec.stats.tokens_per_s / plain.stats.tokens_per_s if plain.stats.tokens_per_s else 0.0,
+        "identical": plain.token_ids == spec.token_ids,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"--- plain ({plain.stats.tokens_per_s:.1f} tokens/s)\n{plain.text}")
+    print(f"--- speculative, drafter {getattr(engine.drafter, 'name', 'none')} ({spec.stats.tokens_per_s:.1f} tokens/s, "
+          f"mean accepted length {spec.stats.mean_accepted_length:.2f})\n{spec.text}")
+    print(f"--- speedup {result['speedup']:.2f}x; texts identical: {result['identical']}")
+    return 0
+
+
 def _generate(args) -> int:
     from .tokenizer import check_text
 
@@ -252,24 +274,7 @@ def _generate(args) -> int:
     kwargs = dict(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=args.max_tokens, sampling=sampling,
                   stop=args.stop, structured=structured, prediction=prediction)
     if args.compare:
-        engine.generate(**{**kwargs, "max_new_tokens": 4})  # warm-up so the first timing is fair
-        plain = engine.generate(**kwargs, speculative=False)
-        spec = engine.generate(**kwargs)
-        result = {
-            "plain": {"text": plain.text, "tokens_per_s": plain.stats.tokens_per_s},
-            "speculative": {"text": spec.text, "tokens_per_s": spec.stats.tokens_per_s,
-                            "stats": spec.stats.as_dict()},
-            "speedup": spec.stats.tokens_per_s / plain.stats.tokens_per_s if plain.stats.tokens_per_s else 0.0,
-            "identical": plain.token_ids == spec.token_ids,
-        }
-        if args.json:
-            print(json.dumps(result))
-            return 0
-        print(f"--- plain ({plain.stats.tokens_per_s:.1f} tokens/s)\n{plain.text}")
-        print(f"--- speculative, drafter {getattr(engine.drafter, 'name', 'none')} ({spec.stats.tokens_per_s:.1f} tokens/s, "
-              f"mean accepted length {spec.stats.mean_accepted_length:.2f})\n{spec.text}")
-        print(f"--- speedup {result['speedup']:.2f}x; texts identical: {result['identical']}")
-        return 0
+        return _compare(engine, kwargs, args)
     on_text = (lambda d: print(d, end="", flush=True)) if args.stream and not args.json else None
     out = engine.generate(**kwargs, on_text=on_text)
     if args.json:

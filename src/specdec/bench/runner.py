@@ -234,6 +234,7 @@ class SpecdecRunner:
         self.device = device
         self.engine = None
         self.drafter: TimedDrafter | None = None
+        self.predictions: dict[tuple[int, ...], str] = {}  # prompt ids -> its prediction (`:prediction`)
         self.new_pass()
 
     def new_pass(self) -> None:
@@ -254,7 +255,9 @@ class SpecdecRunner:
         _sync(self.device)
         start = self.clock()
         sampling = SamplingParams(temperature=self.temperature, seed=self.seed) if self.temperature > 0 else SamplingParams()
-        gen = self.engine.generate(prompt_ids=list(ids), max_new_tokens=max_new, sampling=sampling)
+        prediction = self.predictions.get(ids) if self.config.options.get("prediction") else None
+        gen = self.engine.generate(prompt_ids=list(ids), max_new_tokens=max_new, sampling=sampling,
+                                   prediction=prediction)
         _sync(self.device)
         wall = self.clock() - start
         s = gen.stats
@@ -729,6 +732,10 @@ def _run_bench(settings: Settings, configs: list[BenchConfig], baselines: dict[s
             described[c.label] = f"llama.cpp {gguf.name}"
     configs = [c for c in configs if c.label not in skipped]
     baselines = {label: base for label, base in baselines.items() if label not in skipped}
+
+    for r in runners.values():
+        if isinstance(r, SpecdecRunner):
+            r.predictions = {ids: p.prediction for p, ids in zip(prompts, prompt_ids) if p.prediction is not None}
 
     # -- warm-up, then interleaved passes ----------------------------------------------------------
     probe = MemoryProbe(device)

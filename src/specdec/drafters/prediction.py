@@ -287,7 +287,7 @@ def with_prediction(prediction: PredictionDrafter, drafter):
     """The prediction first, the row's own drafter (or None) where it offers nothing: chains only."""
     if drafter is None:
         return prediction
-    if isinstance(drafter, LookupFirstDrafter):
+    if drafter.needs.fallback:  # a lookup-first combination (`combined.LookupFirstDrafter`)
         return LookupFirstDrafter(PredictionFirst(prediction, drafter.lookup), drafter.learned, drafter.fallback_k)
     if drafter.needs.model or drafter.needs.observes is not None:
         return LookupFirstDrafter(prediction, drafter)
