@@ -112,6 +112,21 @@ def test_joins_inside_a_token_are_retokenised(gemma_tokenizer):
             assert drafts[-3:] == pred.ids[-3:], cut
 
 
+def test_an_unrelated_prediction_leaves_the_steps_to_the_rows_drafter(gemma_tokenizer):
+    """Joins that keep coming to nothing fall silent, so the row's own drafter drafts those steps."""
+    tok = gemma_tokenizer
+    prediction = "The weather today is mild, with a light breeze from the west and some clouds. " * 4
+    output = tok.encode_plain("def total(items):\n    return sum(item.price for item in items if item)\n" * 6)
+    drafter = PredictionDrafter(Prediction.of(prediction, tok), tok)
+    drafter.begin([7])
+    proposed = 0
+    for n in range(1, len(output)):
+        proposal = drafter.propose([7] + output[:n], 8)
+        proposed += bool(proposal.tokens)
+        drafter.feedback(0 if output[n : n + 1] != proposal.tokens[:1] else 1)
+    assert proposed < 0.3 * len(output), proposed
+
+
 def test_usage_counts_each_prediction_token_once():
     assert prediction_usage([1, 2, 3, 4], [1, 2, 9, 4, 4, 4]).accepted == 3
     usage = prediction_usage([5, 5, 5], [5])
@@ -291,3 +306,24 @@ def test_cli_prediction(tiny_folder, tmp_path, tiny):
     for res, needle in ((missing, "cannot read"), (binary, "not UTF-8")):
         assert res.returncode != 0 and "Traceback" not in res.stderr
         assert "--prediction" in res.stderr.strip().splitlines()[-1] and needle in res.stderr
+
+
+# -- the edit benchmark's tasks ---------------------------------------------------------------------
+
+
+def test_edit_tasks_and_their_report_helpers():
+    from specdec.bench.configs import parse_configs
+    from specdec.bench.edits import bin_of, changed_fraction
+    from specdec.bench.prompts import DEFAULT_TEMPLATE, parse_tasks, select_prompts
+
+    prompts = select_prompts(["edits"], 0, None, template=DEFAULT_TEMPLATE, chat=True)
+    assert len(prompts) >= 24 and len({p.id for p in prompts}) == len(prompts)
+    for p in prompts:
+        assert 30 <= len(p.prediction.splitlines()) <= 150 and p.chat and p.prediction in p.text
+    assert "edits" not in parse_tasks("all") and parse_tasks("edits") == ["edits"]
+    code = prompts[0].prediction
+    assert changed_fraction("```python\n" + code + "```\n", code) == 0.0 and bin_of(0.0) == "<= 5%"
+    lines = code.splitlines(keepends=True)
+    edited = "".join(lines[:3] + ["    pass\n"] * 8 + lines[3:])
+    assert 0.05 < changed_fraction(edited, code) <= 0.25 and bin_of(0.2) == "15-25%"
+    assert parse_configs("ngram:prediction")[0].options["prediction"] is True

@@ -29,8 +29,10 @@ again (the same token at the same character, twice in a row), usually within a l
 Sources. Each proposal says what kind of guess it is (`Proposal.source`), so the draft-length rule
 (`policy.CostAwareDraftLength`) keeps one acceptance estimate per kind and sizes each by its own
 evidence: `FOLLOW` once `FOLLOW_RUN` tokens have agreed since the last join (long drafts where the
-prediction has held), else `(JOIN, kind)` with the kind of the join: "start", "line", or the length
-of the text match ("short" / "long"), short drafts right after a divergence.
+prediction has held), else `(JOIN, kind)` with the kind of the join: "start", "line", "swap" (the
+token after one the output replaced), or the length of the text match ("short" / "long"): short
+drafts right after a divergence. A kind of join whose proposals keep coming to nothing falls silent
+for a while (`GATE`), leaving those steps to the row's own drafter.
 
 Composition. `with_prediction(prediction, drafter)` puts the prediction first and the row's own
 drafter where the prediction offers nothing (`PredictionFirst` for a lookup drafter; the
@@ -60,6 +62,12 @@ LONG_MATCH = 12  # a text match of at least this many characters is a "long" joi
 MIN_AFTER = 2  # the shortest text match that rejoins at or after the anchor
 MIN_BEFORE = 16  # ... and before it (the output went back over text it had passed)
 WINDOW = 512  # characters re-tokenised from a join inside one of the prediction's tokens
+# A kind of join whose guesses have been rejected more than this estimate allows proposes nothing,
+# so that the row's own drafter drafts there (a prediction unrelated to the output would otherwise
+# take every step from it with guesses the draft-length rule then cuts to nothing). Each step it
+# stays silent forgets a little of the evidence (`GATE_DECAY`), so it is tried again now and then.
+GATE = 0.25
+GATE_DECAY = 0.95
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,8 @@ class PredictionDrafter(DrafterBase):
         self._anchor = 0  # the prediction's character after the last agreement
         self._run = 0  # tokens agreed since the last join
         self._kind: object = "start"
+        self._proposed: object = None  # the kind of join of the last proposal (None: none, or following)
+        self._evidence: dict[object, list[float]] = {}  # kind -> [accepted tokens, rejected proposals]
         self._swap: tuple[int, int | None] = (-1, None)  # (output length, char) of a one-token swap
 
     def propose(self, context: list[int], k: int) -> Proposal:
@@ -141,11 +151,25 @@ class PredictionDrafter(DrafterBase):
         self._follow(out)
         if self._cursor is None and out:
             self._rejoin(out)
-        c = self._cursor
+        c, self._proposed = self._cursor, None
         if c is None or k == 0 or c >= len(self._ids):
             return Proposal([])
-        source = FOLLOW if self._run >= FOLLOW_RUN else (JOIN, self._kind)
-        return Proposal(self._ids[c : c + k], source=source)
+        if self._run >= FOLLOW_RUN:
+            return Proposal(self._ids[c : c + k], source=FOLLOW)
+        evidence = self._evidence.setdefault(self._kind, [0.0, 0.0])
+        if (evidence[0] + 1) / (evidence[0] + evidence[1] + 2) < GATE:
+            evidence[1] *= GATE_DECAY
+            return Proposal([])
+        self._proposed = self._kind
+        return Proposal(self._ids[c : c + k], source=(JOIN, self._kind))
+
+    def feedback(self, num_accepted: int) -> None:
+        """A join's proposal counts as rejected when nothing of it was accepted (also where the
+        draft-length rule kept none of it: that kind is not worth drafting now)."""
+        if self._proposed is not None:
+            evidence = self._evidence[self._proposed]
+            evidence[0] += num_accepted
+            evidence[1] += num_accepted == 0
 
     def end(self, output_ids: list[int]) -> None:
         self._ids, self._starts = [], []
