@@ -306,9 +306,33 @@ def test_a_fault_after_the_first_byte_is_an_sse_error_event_of_its_stream_alone(
     assert json.loads(events[0][len("data: "):])["choices"][0]["delta"]["role"] == "assistant"
     errors = [json.loads(e[len("data: "):])["error"] for e in events if e.startswith('data: {"error"')]
     assert len(errors) == 1 and errors[0]["type"] == "internal_error" and SECRET not in errors[0]["message"]
+    rid = json.loads(events[0][len("data: "):])["id"].removeprefix("chatcmpl-")
+    assert f"request {rid}" in errors[0]["message"]  # the id the client and the access line know
     assert events[-1] == "data: [DONE]"
     for prompt, res in zip(PROMPTS, out):
         assert res.status_code == 200, res.text
         want = plain.generate(prompt=prompt, max_new_tokens=8, sampling=SamplingParams(logit_bias=AVOID),
                               speculative=False).text
         assert res.json()["choices"][0]["text"] == want
+
+
+def test_a_grammar_past_its_budget_does_not_stall_the_server(server):
+    """Compiling the attack's `a{1000000}` takes the grammar engine its whole work budget (about a
+    second): in the request's handler, off the event loop, so `/health` keeps answering meanwhile."""
+    import time
+
+    out = [None]
+    bad = threading.Thread(target=_post, args=(server, {"prompt": "x", "max_tokens": 4,
+                                                        "guided_regex": "a{1000000}"}, out, 0))
+    latencies = []
+    with httpx.Client(base_url=server, timeout=30) as client:
+        client.get("/health")
+        bad.start()
+        while bad.is_alive():
+            started = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.01)
+    bad.join()
+    assert out[0].status_code == 400 and out[0].json()["error"]["param"] == "guided_regex"
+    assert len(latencies) >= 5 and max(latencies) < 0.5, latencies

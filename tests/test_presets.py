@@ -208,3 +208,26 @@ def test_the_server_drafts_with_the_pairs_reduced_vocabulary(env, tmp_path):
         assert default == "ngram+draft_model"
         draft = drafters["draft_model"]
         assert (draft.vocab_ids is None and kept.start == 96) or len(draft.vocab_ids) in kept
+
+
+def test_the_server_loads_a_pairs_draft_model_once(env, tmp_path, monkeypatch):
+    """`serve --model PAIR`: the target loads without a drafter and the server's drafters load the
+    paired draft model, once (the target's load used to load it too, and drop it)."""
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.scheduler import serving_drafters
+    from specdec.server.app import ServerSettings, load_model
+
+    register_tiny_pair(env, tmp_path, draft_vocab=40)
+    loads = []
+    real = DraftModelDrafter.load.__func__
+
+    def counting(cls, *args, **kwargs):
+        loads.append(args[0])
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(DraftModelDrafter, "load", classmethod(counting))
+    settings = ServerSettings(model="fake-target", drafter="ngram+fake-draft", dtype="float32", quantize="none")
+    model, tokenizer = load_model(settings)
+    drafters, default = serving_drafters(settings.drafter, model, tokenizer)
+    assert default == "ngram+draft_model" and drafters["draft_model"] is not None
+    assert len(loads) == 1

@@ -184,6 +184,7 @@ class Request:
     # salt, `prefix_cache.py`); None: this request neither reuses nor leaves any.
     cache_partition: Partition | None = SHARED
     tenant: str = ""  # who sent it (the server's metrics and access log); "" for the library
+    request_id: str | None = None  # the id its caller knows it by (the server's access line); None: the handle's
     # The output the caller expects, mostly (OpenAI's `prediction`): drafted from first; its
     # accepted and rejected tokens come back in `Usage.prediction`.
     prediction: Prediction | None = None
@@ -552,21 +553,25 @@ class BatchScheduler:
                     self._decode_step()
         except Exception as exc:  # noqa: BLE001 (a fault of the loop itself, not of one row: a bug)
             held = ([self._prefilling] if self._prefilling is not None else []) + list(self._running)
-            log.error("the scheduler loop failed; failing requests %s", [s.handle.id for s in held], exc_info=exc)
+            log.error("the scheduler loop failed; failing requests %s",
+                      [s.request.request_id or s.handle.id for s in held], exc_info=exc)
             if self._prefilling is not None:
-                self._drop_prefilling("error", Fault.of(RuntimeError(), self._prefilling.handle.id))
+                seq = self._prefilling
+                self._drop_prefilling("error", Fault.of(RuntimeError(), seq.request.request_id or seq.handle.id))
             for seq in list(self._running):
-                self._leave(seq, "error", Fault.of(RuntimeError(), seq.handle.id))
+                self._leave(seq, "error", Fault.of(RuntimeError(), seq.request.request_id or seq.handle.id))
         return True
 
     @staticmethod
     def _fault(seq: _Sequence, exc: BaseException, where: str) -> Fault:
-        """What `seq` is told of `exc`, raised by its own work (`errors.Fault`); logged in full."""
-        fault = Fault.of(exc, seq.handle.id)
+        """What `seq` is told of `exc`, raised by its own work (`errors.Fault`); logged in full,
+        under the id its caller knows it by."""
+        rid = seq.request.request_id or seq.handle.id
+        fault = Fault.of(exc, rid)
         if fault.status >= 500:
-            log.error("request %s failed in %s", seq.handle.id, where, exc_info=exc)
+            log.error("request %s failed in %s", rid, where, exc_info=exc)
         else:
-            log.info("request %s refused in %s: %s", seq.handle.id, where, fault.message)
+            log.info("request %s refused in %s: %s", rid, where, fault.message)
         return fault
 
     def _occupied(self) -> int:

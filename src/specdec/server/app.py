@@ -163,11 +163,12 @@ def _specdec_error_response(exc: SpecdecError) -> JSONResponse:
 
 
 def load_model(settings: ServerSettings) -> tuple[Transformer, Tokenizer | None]:
-    """Load the target model and its tokenizer (the drafters are loaded for it by `create_app`)."""
+    """Load the target model and its tokenizer. No drafter: `create_app` loads the server's drafters
+    for it (`serving_drafters`), so a named pair's draft model is loaded once, there."""
     from ..engine import Engine
 
-    engine = Engine.load(settings.model, device=settings.device, dtype=settings.dtype, quantize=settings.quantize,
-                         tensor_parallel=settings.tensor_parallel)
+    engine = Engine.load(settings.model, drafter="none", device=settings.device, dtype=settings.dtype,
+                         quantize=settings.quantize, tensor_parallel=settings.tensor_parallel)
     return engine.model, engine.tokenizer
 
 
@@ -283,13 +284,16 @@ def create_app(settings: ServerSettings,
 
     async def submit(request: Request, tenant: Tenant, body: _Sampling, scheduler: BatchScheduler,
                      tokenize: Callable[[], list[int]], max_tokens: int | None, logprobs: int | None) -> RequestHandle:
-        """Wait for one of the tenant's places (429 when its queue is full), tokenise off the event
-        loop, and queue the request; its place is given back when the scheduler finishes it."""
+        """Wait for one of the tenant's places (429 when its queue is full), tokenise and compile its
+        grammar off the event loop, and queue the request; its place is given back when the scheduler finishes it."""
         await state.gate.acquire(tenant)
         try:
-            ids, predicted = await asyncio.to_thread(lambda: (tokenize(), prediction_of(body)))
-            gen = gen_request(body, ids, max_tokens, logprobs, scheduler, predicted)
-            gen = dataclasses.replace(gen, tenant=tenant.name,
+            ids = await asyncio.to_thread(tokenize)
+            # Off the loop too: compiling a grammar may take its whole work budget (seconds), and
+            # tokenising a prediction is as long as its text.
+            gen = await asyncio.to_thread(lambda: gen_request(body, ids, max_tokens, logprobs, scheduler,
+                                                              prediction_of(body)))
+            gen = dataclasses.replace(gen, tenant=tenant.name, request_id=request.scope["specdec.access"].id,
                                       cache_partition=cache_partition(settings.cache_salt, tenant, body.cache_salt))
             handle = scheduler.submit(gen, asyncio.get_running_loop())
         except BaseException:

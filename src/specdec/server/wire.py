@@ -32,10 +32,15 @@ def default_body_limit(max_model_len: int) -> int:
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
-    # A message quoting the client's text could hold a lone surrogate, which UTF-8 cannot encode:
-    # escape it rather than fail while reporting the error.
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    # A message or a param quoting the client's text (a field name it sent) could hold a lone
+    # surrogate, which UTF-8 cannot encode: escape it rather than fail while reporting the error.
+    message = _utf8(message)
+    param = None if param is None else _utf8(param)
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _json_bytes(payload: dict) -> bytes:
