@@ -13,6 +13,8 @@ the whole updated code in one fenced block; the prediction is the original code.
 Reporting. Each task's changed-line fraction is 1 - difflib's ratio between the lines of the plain
 baseline's output (its fence lines dropped) and the prediction's lines; the tasks are binned by it
 (<= 5%, 5-15%, 15-25%, > 25%) and each configuration's speed is given per bin (`to_markdown`).
+Give --max-tokens room for the whole answer (the longest code is 150 lines, about 1,500 tokens): an
+answer cut short counts the code it did not reach as changed.
 """
 
 from __future__ import annotations
