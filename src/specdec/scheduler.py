@@ -95,6 +95,7 @@ near-tie may flip.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import queue
@@ -109,7 +110,7 @@ import torch
 from .drafters import NgramDrafter, SuffixDrafter
 from .drafters.base import Drafter, TreeShape
 from .drafters.combined import lookup_first
-from .drafters.prediction import Prediction, PredictionUsage
+from .drafters.prediction import Prediction, PredictionUsage, prediction_usage
 from .engine import Emitted, Engine, Row, Stats
 from .errors import Fault, InvalidRequestError, SpecdecError
 from .models.transformer import Transformer
@@ -195,7 +196,15 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens copied from the prefix cache (the request's own partition)
-    prediction: PredictionUsage | None = None  # with a prediction: its accepted and rejected tokens
+    # With a prediction: (its ids, the output's ids), for `prediction`.
+    predicted: tuple[list[int], list[int]] | None = field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def prediction(self) -> PredictionUsage | None:
+        """The prediction's accepted and rejected tokens, worked out on first use, by whoever reads
+        them (difflib over both id lists takes up to a second for the longest predictions: not on
+        the scheduler's thread, nor on a server's event loop)."""
+        return None if self.predicted is None else prediction_usage(*self.predicted)
 
 
 @dataclass(frozen=True)
@@ -792,8 +801,9 @@ class BatchScheduler:
             ttft = seq.first_token - seq.arrival
             tpot = (now - seq.first_token) / (stats.new_tokens - 1) if stats.new_tokens > 1 else None
             timing = Timing(seq.admitted - seq.arrival, ttft, now - seq.arrival, tpot)
+        predicted = None if row.prediction is None else (row.prediction.ids, list(row.out.ids))
         delta = Delta(text, tokens or [], logprobs, reason,
-                      Usage(len(seq.request.prompt_ids), len(row.out.ids), seq.cached, row.prediction_usage), stats, timing, error)
+                      Usage(len(seq.request.prompt_ids), len(row.out.ids), seq.cached, predicted), stats, timing, error)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         seq.handle._put(delta)
         if self.on_finish is not None:

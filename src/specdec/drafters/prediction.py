@@ -20,11 +20,12 @@ anchor, at its nearest such occurrence; failing that (at least `MIN_BEFORE` char
 anchor. Where the output has just ended a line and the anchor stands at the start of one or in its
 indentation (lines inserted before it, or a preamble such as a code fence), the output rejoins at
 the start of the anchor's line, unless the match covers most of the output's last line (a changed
-line: the output goes on after the match). The track restarts at the join's character: the prediction's own tokens where a
-token begins there; otherwise the text from there is tokenised again, since the model may split
-the text differently from the prediction tokenised alone. Only a window of `WINDOW` characters is
-re-tokenised: the track goes back to the prediction's own tokens where the two tokenisations meet
-again (the same token at the same character, twice in a row), usually within a line.
+line: the output goes on after the match). The track restarts at the join's character: the
+prediction's own tokens where a token begins there; otherwise the text from there is tokenised
+again, since the model may split the text differently from the prediction tokenised alone. Only a
+window of `WINDOW` characters is re-tokenised: the track goes back to the prediction's own tokens
+where the two tokenisations meet again (the same token at the same character, twice in a row),
+usually within a line.
 
 Sources. Each proposal says what kind of guess it is (`Proposal.source`), so the draft-length rule
 (`policy.CostAwareDraftLength`) keeps one acceptance estimate per kind and sizes each by its own

@@ -448,7 +448,7 @@ def create_app(settings: ServerSettings,
             result = RequestHandle.collect(done)
             return {**base, "choices": [{"index": 0, "text": result.text, "logprobs": logprobs_of(result.logprobs, 0),
                                          "finish_reason": result.finish_reason}],
-                    "usage": usage_dict(result.usage)}
+                    "usage": await usage_of(result.usage)}
 
         async def events():
             offset = 0
@@ -466,7 +466,7 @@ def create_app(settings: ServerSettings,
                     yield sse(chunk)
                     offset += len(delta.text)
                 if delta.finish_reason and body.include_usage:
-                    yield sse({**base, "choices": [], "usage": usage_dict(delta.usage)})
+                    yield sse({**base, "choices": [], "usage": await usage_of(delta.usage)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -510,7 +510,7 @@ def create_app(settings: ServerSettings,
             return {**base, "object": "chat.completion",
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
                                  "logprobs": logprobs_of(result.logprobs), "finish_reason": result.finish_reason}],
-                    "usage": usage_dict(result.usage)}
+                    "usage": await usage_of(result.usage)}
 
         async def events():
             head = {**base, "object": "chat.completion.chunk"}
@@ -530,7 +530,7 @@ def create_app(settings: ServerSettings,
                     yield sse({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
                                                     "finish_reason": delta.finish_reason}], **extra})
                     if body.include_usage:
-                        yield sse({**head, "choices": [], "usage": usage_dict(delta.usage)})
+                        yield sse({**head, "choices": [], "usage": await usage_of(delta.usage)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -598,6 +598,11 @@ def _depth(value: object) -> int:
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def usage_of(usage) -> dict:
+    """`usage_dict` worked out off the event loop (its prediction counts run difflib)."""
+    return await asyncio.to_thread(usage_dict, usage)
 
 
 def usage_dict(usage) -> dict:

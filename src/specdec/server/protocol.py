@@ -32,7 +32,8 @@ MAX_CACHE_SALT_CHARS = 256  # a salt is a secret of a few dozen characters; 256 
 # A prediction is the text an edit starts from (a file): 64k characters is a long source file, and
 # bounds the tokenising and the matching of its tokens with the output (`prediction_usage`).
 MAX_PREDICTION_CHARS = 65536
-_PREDICTION_SHAPE = 'prediction must be {"type": "content", "content": a string or a list of {"type": "text", "text": ...}}'
+_PREDICTION_SHAPE = ('prediction must be {"type": "content", "content": a string or a list of '
+                     '{"type": "text", "text": ...}}')
 
 
 def _whole_number(value: object) -> object:
