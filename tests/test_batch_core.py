@@ -111,7 +111,7 @@ def test_batch_of_mixed_drafters_equals_plain(pair, plain):
     assert names == NAMES
     sched = BatchScheduler(pair["target"], None, drafter="ngram", drafters={"none": None, **made}, draft_trees=TREES,
                            num_speculative_tokens=4, max_batch=8, max_model_len=256, spec_token_budget=64,
-                           adaptive=False)
+                           adaptive=False, draft_length="fixed")  # every drafter drafts, priced or not
     ps = prompts(18)
     limits = [4 + 3 * (i % 6) for i in range(18)]  # rows stop at different steps
     cycle = names + ["none"]  # each drafter twice, plain rows among them
@@ -146,7 +146,8 @@ def batched_p_value(params, drafter, k=2):
     seeds and temperatures (whose output is not counted)."""
     target = tdm.small_model(0)
     sched = BatchScheduler(target, None, drafter="d", drafters={"d": drafter}, num_speculative_tokens=k,
-                           max_batch=8, max_queue=10 * tdm.SAMPLES, max_model_len=16, adaptive=False).start()
+                           max_batch=8, max_queue=10 * tdm.SAMPLES, max_model_len=16, adaptive=False,
+                           draft_length="fixed").start()
     counted, others = [], []
     for seed in range(tdm.SAMPLES):
         sp = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed)
@@ -184,7 +185,8 @@ def test_server_with_a_draft_model(pair):
     engine = Engine(pair["target"], loader_tokenizer(pair["folder"]))
     settings = ts.ServerSettings(model=str(pair["folder"]), served_model_name="tiny", drafter=str(pair["draft_dir"]),
                                  num_speculative_tokens=3, max_batch=16, max_queue=64, max_model_len=256,
-                                 dtype="float32", speculation_control="budget", spec_token_budget=64)
+                                 dtype="float32", speculation_control="budget", spec_token_budget=64,
+                                 draft_length="fixed")  # the tiny draft model is too dear for the cost rule
     srv = ts.ThreadServer(ts.create_app(settings, load=lambda s: (engine.model, engine.tokenizer))).start()
     try:
         texts = [f"{'abcdefgh'[i % 8]}{'xyz'[i % 3]} abc abc {i}" for i in range(16)]
@@ -259,7 +261,8 @@ def test_model_drafter_rows_draft_in_one_batched_forward(pair, plain, monkeypatc
     alone = Engine(pair["target"], None, drafter=drafters(pair)[kind], num_speculative_tokens=3, draft_length="fixed")
     loaded = drafters(pair)[kind]
     sched = BatchScheduler(pair["target"], None, drafter=kind, drafters={kind: loaded}, num_speculative_tokens=3,
-                           max_batch=6, max_model_len=256, spec_token_budget=64, adaptive=False).start()
+                           max_batch=6, max_model_len=256, spec_token_budget=64, adaptive=False,
+                           draft_length="fixed").start()
     limits = [6 + 2 * (i % 4) for i in range(10)]
     outs = [h.result() for h in [sched.submit(Request(p, n)) for p, n in zip(ps, limits)]]
     sched.shutdown()
@@ -313,7 +316,7 @@ def test_lookup_first_rows_join_the_batched_forward(pair, plain, monkeypatch, ki
     k = 3
     sched = BatchScheduler(pair["target"], None, drafter=name, drafters={name: drafters(pair)[name]},
                            num_speculative_tokens=k, max_batch=6, max_model_len=256, spec_token_budget=64,
-                           adaptive=False).start()
+                           adaptive=False, draft_length="fixed").start()
     # Prompts without repeats: lookup finds little, so most rows fall back to the learned part.
     ps = [torch.randint(3, V, (8 + i,), generator=torch.Generator().manual_seed(100 + i)).tolist() for i in range(8)]
     outs = [h.result() for h in [sched.submit(Request(p, 10)) for p in ps]]

@@ -565,7 +565,7 @@ class Engine:
             check_tree_drafter(drafter)
         # The tokenizer first: reading Gemma's 262k-token vocabulary peaks at ~0.5 GB of parser
         # temporaries, which are handed back before the weights arrive rather than on top of them.
-        folder = loader.resolve(target, progress)
+        folder = loader.resolve(target, progress, quantize if tensor_parallel == 1 else "none")
         config = loader.read_config(folder)  # a bad config fails before the tokenizer is read
         if tensor_parallel != 1:
             from .models.tensor_parallel import check_split

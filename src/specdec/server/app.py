@@ -79,6 +79,7 @@ class ServerSettings:
     draft_p_min: float | None = None  # a draft model's confidence cut-off (None: its default)
     draft_vocab: int | None = None  # a draft model's kept ids (FR-Spec; None: all)
     num_speculative_tokens: int = 5
+    draft_length: str | None = None  # each row's draft-length rule, as generate's (None: cost-aware)
     max_batch: int = 16
     max_queue: int = 64
     max_model_len: int = 2048
@@ -205,7 +206,7 @@ def create_app(settings: ServerSettings,
                 prefix_cache_tokens=settings.prefix_cache_tokens,
                 max_speculative_tokens=max(16, settings.num_speculative_tokens),
                 adaptive=settings.speculation_control == "goodput", on_finish=state.finished,
-                kv_dtype=settings.kv_dtype)
+                kv_dtype=settings.kv_dtype, draft_length=settings.draft_length)
             state.tokenizer = tokenizer
             state.scheduler = scheduler
             state.apply_shares()
