@@ -162,6 +162,7 @@ class SpecdecRunner:
         self.device = device
         self.engine = None
         self.drafter: TimedDrafter | None = None
+        self.predictions: dict[tuple[int, ...], str] = {}  # prompt ids -> its prediction (`:prediction`)
         self.new_pass()
 
     def new_pass(self) -> None:
@@ -182,7 +183,9 @@ class SpecdecRunner:
         sync(self.device)
         start = self.clock()
         sampling = SamplingParams(temperature=self.temperature, seed=self.seed) if self.temperature > 0 else SamplingParams()
-        gen = self.engine.generate(prompt_ids=list(ids), max_new_tokens=max_new, sampling=sampling)
+        prediction = self.predictions.get(ids) if self.config.options.get("prediction") else None
+        gen = self.engine.generate(prompt_ids=list(ids), max_new_tokens=max_new, sampling=sampling,
+                                   prediction=prediction)
         sync(self.device)
         wall = self.clock() - start
         s = gen.stats
@@ -474,6 +477,9 @@ def _interleaved_runs(settings: Settings, order: list, prompts: list[BenchPrompt
     turn (the module docstring says why interleaved); returns the runs and, after Ctrl-C, a note
     saying how far it got."""
     sampled = settings.temperature > 0
+    for r in order:  # a `:prediction` configuration drafts from each prompt's prediction
+        if isinstance(r, SpecdecRunner):
+            r.predictions = {ids: p.prediction for p, ids in zip(prompts, prompt_ids) if p.prediction is not None}
     for r in order:
         if not isinstance(r, RefRunner):  # the worker was told its clock when it started
             r.clock = CLOCKS[settings.clock]
