@@ -353,9 +353,10 @@ def test_32_concurrent_streams_match_running_alone(thread_server, engine):
         aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
         return await asyncio.gather(*(one(aclient, p, n) for p, n in zip(prompts, lengths)))
 
-    # All 32 queued before the scheduler goes on: 8 admitted together, the rest as rows leave.
+    # A full batch queued before the scheduler goes on: 8 admitted together, the rest as rows leave
+    # (the tenant's gate lets max_batch requests at a time into the scheduler, the rest wait there).
     sched = thread_server.scheduler
-    together = hold_scheduler(sched, lambda: sched.num_waiting == len(prompts))
+    together = hold_scheduler(sched, lambda: sched.num_waiting == sched.max_batch)
     results = asyncio.run(main())
     assert together.is_set()
     assert [t for t, _ in results] == refs
