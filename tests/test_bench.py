@@ -550,3 +550,28 @@ def test_sampled_runs_are_seeded_per_prompt_and_leave_peers_out(tiny):
     assert "sampled at temperature 1" in R.to_markdown(first, R.summarize(first))
     with pytest.raises(InvalidRequestError, match="temperature"):
         bench(-1.0)
+
+
+def test_the_spread_across_repeats_is_reported():
+    """Three repeats: each repeat's speedup over the baseline's same repeat, and the widest
+    distance from their median, in the summary and in the report."""
+    plain = [Run("plain", p, "g", i, 10, 8, 1.0, list(range(8)), target_forwards=8) for i in range(3) for p in "ab"]
+    # Repeat 0 twice as fast as plain, repeat 1 2.5x, repeat 2 1.6x (the machine drifting).
+    gains = (2.0, 2.5, 1.6)
+    spec = [Run("ngram", p, "g", i, 10, 8, 1.0 / gains[i], list(range(8)), target_forwards=4)
+            for i in range(3) for p in "ab"]
+    configs = C.parse_configs("plain,ngram")
+    result = BenchResult(Settings(repeats=3), configs, {"plain": "plain", "ngram": "plain"}, {},
+                         [PromptInfo(p, "g", 10) for p in "ab"], plain + spec, {}, "peak RSS", {})
+    summaries = R.summarize(result)
+    s = next(x for x in summaries if x.config == "ngram" and x.group == "all")
+    assert s.repeat_speedups == [pytest.approx(g) for g in gains]
+    assert s.repeat_tokens_per_s == [pytest.approx(8 * g) for g in gains]
+    assert s.repeat_spread == pytest.approx(0.25)  # 2.5 against the median 2.0
+    assert next(x for x in summaries if x.config == "plain" and x.group == "all").repeat_spread is None
+    text = R.to_markdown(result, summaries)
+    assert "| `ngram` | 16.0 / 20.0 / 12.8 | 2.00x / 2.50x / 1.60x | 25.0% |" in text
+    one = BenchResult(Settings(), configs, {"plain": "plain", "ngram": "plain"}, {},
+                      [PromptInfo(p, "g", 10) for p in "ab"], [r for r in plain + spec if r.repeat == 0], {},
+                      "peak RSS", {})
+    assert "Spread across repeats" not in R.to_markdown(one, R.summarize(one))

@@ -11,6 +11,10 @@ Definitions (the Markdown and the JSON use the same ones):
   (`speedup_interval`). A run's speedup depends on which prompts it drew: three prompts a group
   give a wide interval, and two figures inside each other's interval are not told apart by the
   prompts. The interval does not cover the machine's own drift between runs.
+- spread across repeats: with `--repeats` > 1, each repeat's tokens/s and speedup on its own
+  (its runs over the baseline's runs of the same repeat, interleaved with them) and the largest
+  distance of a repeat's speedup from their median, in percent (`repeat_spread`). It shows how far
+  one run of the benchmark can be trusted on this machine, which the interval over prompts does not.
 - acceptance rate: accepted / drafted tokens. alpha: accepted / *verified* draft positions (a
   step verifies its accepted tokens and the first rejected one; positions after it were drafted
   but never tested), the per-token acceptance probability of Leviathan et al.'s model.
@@ -49,6 +53,7 @@ the cost. With f = 1 this is exactly the formula above; the JSON also gives that
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -94,6 +99,9 @@ class Summary:
     tokens_per_s: float
     speedup: float | None = None
     speedup_interval: tuple[float, float] | None = None  # 95% bootstrap over prompts
+    repeat_tokens_per_s: list[float] = field(default_factory=list)  # each repeat's own (with > 1 repeat)
+    repeat_speedups: list[float] = field(default_factory=list)  # each repeat's over the baseline's same repeat
+    repeat_spread: float | None = None  # the largest |speedup_i / median - 1| over the repeats
     decode_speedup: float | None = None  # the speedup with prefill taken out (module doc)
     prefill_share: float | None = None  # of this configuration's wall time
     bound: float | None = None
@@ -150,6 +158,20 @@ def _totals(runs: list[Run]) -> tuple[int, float]:
     return sum(r.new_tokens for r in runs), sum(r.wall_s for r in runs)
 
 
+def _by_repeat(runs: list[Run], base_runs: list[Run]) -> tuple[list[float], list[float]]:
+    """Each repeat's tokens/s and, where its baseline ran that repeat, its speedup over it."""
+    rates, speedups = [], []
+    for i in sorted({r.repeat for r in runs}):
+        tokens, wall = _totals([r for r in runs if r.repeat == i])
+        if wall <= 0:
+            continue
+        rates.append(tokens / wall)
+        btok, bwall = _totals([r for r in base_runs if r.repeat == i])
+        if bwall > 0 and btok > 0 and tokens > 0:
+            speedups.append(rates[-1] / (btok / bwall))
+    return rates, speedups
+
+
 def _decode_rate(runs: list[Run]) -> float | None:
     """New tokens per second of decoding after the prefill, summed over the runs; None where a
     run has no engine prefill time."""
@@ -197,6 +219,11 @@ def _summary(c, group: str, runs: list[Run], base_runs: list[Run], base_label: s
         rate, base_rate = _decode_rate(runs), _decode_rate(base_runs)
         if rate and base_rate:
             s.decode_speedup = rate / base_rate
+    if len({r.repeat for r in runs}) > 1:
+        s.repeat_tokens_per_s, speedups = _by_repeat(runs, base_runs)
+        if base_label != c.label and len(speedups) > 1:
+            mid = statistics.median(speedups)
+            s.repeat_speedups, s.repeat_spread = speedups, max(abs(x / mid - 1) for x in speedups)
     if runs and wall > 0 and all(r.prefill_s is not None for r in runs):
         s.prefill_share = sum(r.prefill_s for r in runs) / wall
     if all(r.target_forwards is not None for r in runs) and tokens:
@@ -325,7 +352,7 @@ def to_markdown(result: BenchResult, summaries: list[Summary], command: str | No
     if command:
         lines += [f"`{command}`", ""]
     lines += _md_setup(result, groups) + _md_headline(result, summaries) + _md_table(summaries)
-    lines += _md_groups(summaries, groups) + _md_versus(result) + _md_positions(summaries)
+    lines += _md_repeats(summaries) + _md_groups(summaries, groups) + _md_versus(result) + _md_positions(summaries)
     lines += ["", f"Peak memory: {result.memory_kind} of the whole process (every loaded model counts)."
               if not st.device.startswith("cuda") else f"Peak memory: {result.memory_kind}."]
     return "\n".join(lines) + "\n"
@@ -384,6 +411,22 @@ def _md_table(summaries: list[Summary]) -> list[str]:
             f"{_f(s.cost_ratio, '.3f')} | {_f(s.step_cost, '.2f')} | {_f(s.forwards_per_token, '.2f')} | "
             f"{_identity(s)} | "
             f"{_memory(s.peak_memory)} |")
+    return lines
+
+
+def _md_repeats(summaries: list[Summary]) -> list[str]:
+    """With several repeats: each repeat's tokens/s and speedup, and the speedups' spread."""
+    rows = [s for s in summaries if s.group == ALL and len(s.repeat_tokens_per_s) > 1]
+    if not rows:
+        return []
+    lines = ["", "Spread across repeats (each repeat on its own, over the baseline's same repeat):", "",
+             "| configuration | tokens/s by repeat | speedup by repeat | widest from their median |",
+             "|---|---|---|---:|"]
+    for s in rows:
+        speedups = " / ".join(f"{x:.2f}x" for x in s.repeat_speedups) or "-"
+        spread = f"{100 * s.repeat_spread:.1f}%" if s.repeat_spread is not None else "-"
+        lines.append(f"| `{s.config}` | {' / '.join(f'{x:.1f}' for x in s.repeat_tokens_per_s)} | {speedups} | "
+                     f"{spread} |")
     return lines
 
 
