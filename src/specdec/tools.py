@@ -114,11 +114,13 @@ def _tool(i: int, item: object) -> Tool:
 
 
 def tool_set(tools: object, tool_choice: object = None, parallel: object = None) -> ToolSet | None:
-    """The checked ToolSet of a request's fields, or None when it asks for no calls (no tools, or
-    `tool_choice` "none": the tools are still shown to the template then, see `template_tools`)."""
+    """The checked ToolSet of a request's fields, or None without tools. Under `tool_choice`
+    "none" the tools are still shown to the template, and no call is parsed."""
     if tools is None or tools == []:
         if tool_choice not in (None, "none"):
             raise InvalidRequestError("tool_choice needs tools", "tool_choice")
+        if parallel is not None:
+            raise InvalidRequestError("parallel_tool_calls needs tools", "parallel_tool_calls")
         return None
     if not isinstance(tools, list):
         raise InvalidRequestError("tools: a list of tools", "tools")
@@ -292,7 +294,7 @@ def _history_call(i: int, j: int, call: object, seen: set) -> dict:
     if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(fn, dict) \
             or not isinstance(call.get("id"), str) or not isinstance(fn.get("name"), str):
         raise InvalidRequestError(f"{param}: {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
-                                  "\"arguments\"}}}", param)
+                                  "\"arguments\"}}}", f"messages[{i}].tool_calls")
     args = fn.get("arguments", "{}")
     try:
         value = json.loads(args) if isinstance(args, str) else None

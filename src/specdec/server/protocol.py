@@ -24,6 +24,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from ..errors import InvalidRequestError
 from ..sampling import REPETITION_PENALTY_RANGE
 from ..structured import StructuredSpec
+from ..tools import tool_set
 
 MAX_STOP = 16
 MAX_TOKEN_ID_DIGITS = 9
@@ -62,7 +63,7 @@ def _same(value: object, neutral: object) -> bool:
 
 # Known fields this server does not implement: name -> (its neutral values besides null, what to
 # say). Anything else in the field is a 400 naming it.
-_TOOLS = "tool and function calling is not supported"
+_TOOLS = "the legacy functions / function_call are not supported: use tools and tool_choice"
 _COMMON_NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
     "length_penalty": ((1,), "beam search is not supported"),
     "use_beam_search": ((False,), "beam search is not supported"),
@@ -90,11 +91,8 @@ _COMPLETION_NOT_IMPLEMENTED = {
 }
 _CHAT_NOT_IMPLEMENTED = {
     **_COMMON_NOT_IMPLEMENTED,
-    "tools": (([],), _TOOLS),
-    "tool_choice": (("none",), _TOOLS),
     "functions": (([],), _TOOLS),
     "function_call": (("none",), _TOOLS),
-    "parallel_tool_calls": ((), _TOOLS),
     "echo": ((False,), "echo is not supported"),
     "chat_template": ((), "only the model's own chat template is supported"),
     "chat_template_kwargs": (({},), "chat_template_kwargs is not supported"),
@@ -107,7 +105,6 @@ _CHAT_NOT_IMPLEMENTED = {
     "mm_processor_kwargs": ((), "multimodal input is not supported"),
 }
 _MESSAGE_NOT_IMPLEMENTED = {
-    "tool_calls": (([],), _TOOLS),
     "function_call": ((), _TOOLS),
     "audio": ((), "audio is not supported"),
     "annotations": (([],), "annotations are not supported"),
@@ -312,6 +309,7 @@ class ChatMessage(_Strict):
     # Passed to the chat template, which renders them if it knows them.
     name: Text | None = None
     tool_call_id: Text | None = None
+    tool_calls: list[Any] | None = None  # an assistant's calls, checked by `tools.history`
 
     def as_template_dict(self) -> dict:
         content = self.content
@@ -334,6 +332,10 @@ class ChatCompletionRequest(_Sampling):
     # How the chat template renders the messages (vLLM's extensions, as transformers defines them).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # Tool calling (server/toolapi.py, checked against the model's chat template there).
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
 
     _not_implemented: ClassVar[dict[str, tuple[tuple, str]]] = _CHAT_NOT_IMPLEMENTED
 
@@ -346,6 +348,7 @@ class ChatCompletionRequest(_Sampling):
                                       "continue_final_message")
         for i, message in enumerate(self.messages):
             _refuse_not_implemented(message, _MESSAGE_NOT_IMPLEMENTED, f"messages[{i}].")
+        tool_set(self.tools, self.tool_choice, self.parallel_tool_calls)  # a malformed tool: a 400 here
         return self
 
 
