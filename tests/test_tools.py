@@ -257,3 +257,30 @@ def test_sampled_calls_with_drafting_follow_plain_constrained_sampling(family):
     table = [[counts[s].get(c, 0) for c in cells] for s in (True, False)]
     assert len(cells) >= 2 and drafted > n * 10
     assert chi2_contingency(table)[1] > 1e-3, table
+
+
+def test_a_stream_sends_text_until_a_call_may_begin(family):
+    from specdec.server.toolapi import ToolStream, ToolTurn
+
+    name, _, ids, engine = family
+    if name != "qwen":
+        pytest.skip("the hermes opening")
+    tok = engine.tokenizer
+    toolset = T.tool_set(TOOLS, "auto")
+    turn = ToolTurn(T.HERMES, toolset, None, toolset.template_tools())
+    call = '\n{"name": "get_time", "arguments": {"tz": 2}}\n'
+    answer = tok.encode_plain("Let me check.\n") + [ids["<tool_call>"]] + tok.encode_plain(call) + \
+        [ids["</tool_call>"]]
+    stream, sent = ToolStream(turn, tok), ""
+    for at in range(0, len(answer), 3):
+        sent += stream.push(tok.decode(answer[at: at + 3]), answer[at: at + 3])
+    assert sent == "Let me check.\n"  # nothing of the call went out as content
+    rest, chunks, finish = stream.finish("stop")
+    assert finish == "tool_calls" and chunks[0]["function"]["name"] == "get_time" and "id" in chunks[0]
+    assert json.loads("".join(c["function"]["arguments"] for c in chunks)) == {"tz": 2}
+    # A fence may open a Qwen2.5-Coder call: from there the text waits for the end, then comes whole.
+    text = "Use `ls` here."
+    stream = ToolStream(turn, tok)
+    sent = "".join(stream.push(c, tok.encode_plain(c)) for c in text)
+    rest, chunks, finish = stream.finish("stop")
+    assert sent == "Use " and sent + rest == text and chunks == [] and finish == "stop"

@@ -140,3 +140,23 @@ def test_bad_tool_input_is_a_400_naming_the_field(server, extra, param):
     res = post(server, {"messages": ASK, "max_tokens": 4, **extra})
     assert res.status_code == 400, res.text
     assert res.json()["error"]["param"] == param, res.json()
+
+
+def test_an_auto_call_is_valid_and_streams_as_the_whole_answer(client, server):
+    """Under "auto" a logit bias on <tool_call> makes the random model open a call: the lazy
+    constraint keeps the call valid, speculation on and off give the same answer, and the stream
+    assembles into the non-streaming answer."""
+    opening = 259  # <tool_call> in tool_models' Qwen tokenizer
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, parallel_tool_calls=False, max_tokens=120, temperature=0,
+              logit_bias={str(opening): 2})
+    whole = client.chat.completions.create(**kw).choices[0]
+    plain = client.chat.completions.create(**kw, extra_body={"speculative": False}).choices[0]
+    assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1
+    valid(whole.message.tool_calls[0])
+    assert (plain.message.content, plain.message.tool_calls[0].function.arguments) == \
+        (whole.message.content, whole.message.tool_calls[0].function.arguments)
+    with client.chat.completions.stream(**kw) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls" and (streamed.message.content or None) == whole.message.content
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]

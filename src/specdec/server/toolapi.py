@@ -85,23 +85,28 @@ class ToolStream:
     def push(self, text: str, ids: list[int]) -> str:
         self.ids += ids
         self.text += text
-        if not self.holding and self._may_call():
-            self.holding = True
         if self.holding:
             return ""
-        out, self.sent = self.text[len(self.sent):], self.text
+        cut = self._call_start()
+        self.holding = cut is not None
+        end = len(self.text) if cut is None else max(cut, len(self.sent))
+        out, self.sent = self.text[len(self.sent): end], self.text[:end]
         return out
 
-    def _may_call(self) -> bool:
+    def _call_start(self) -> int | None:
+        """Where in the text a call may begin (what is before it can go out), or None."""
         turn = self.turn
         if turn.toolset is None:
-            return False
+            return None
         if turn.toolset.constrained:
-            return True
+            return 0
         if turn.family is T.HERMES:
-            return "<tool_call>" in self.text or "`" in self.text
+            found = [i for i in (self.text.find("<tool_call>"), self.text.find("`")) if i >= 0]
+            return min(found) if found else None
         tag = self.tokenizer.encode_plain(T.LLAMA3.opening)
-        return self.text.lstrip().startswith("{") or (len(tag) == 1 and tag[0] in self.ids)
+        if self.text.lstrip().startswith("{") or (len(tag) == 1 and tag[0] in self.ids):
+            return 0
+        return None
 
     def finish(self, reason: str) -> tuple[str, list[dict], str]:
         """(content not yet sent, tool-call chunk deltas, finish reason)."""
