@@ -164,19 +164,19 @@ def drafters(folder, prompt, truth):
 @pytest.mark.parametrize("choice", ["required", "get_weather", "auto"])
 def test_greedy_identity_with_every_drafter(family, choice):
     name, folder, ids, engine = family
-    if choice == "auto" and name == "llama":
-        pytest.skip("Llama's bare JSON calls under auto are parsed, not constrained (no one-token opening)")
     tool_choice = {"type": "function", "function": {"name": choice}} if choice == "get_weather" else choice
-    toolset = T.tool_set(TOOLS, tool_choice, parallel=choice != "required")
+    toolset = T.tool_set(TOOLS, tool_choice, parallel=choice == "get_weather")
     fam = T.family_of(engine.tokenizer.chat_template)
     constraint = T.constraint(fam, toolset, engine.tokenizer)
     prompt = render(engine, toolset)
     # Under auto a random model never opens a call by itself: a logit bias makes it, after some text.
-    params = SamplingParams(logit_bias=((ids["<tool_call>"], 9.0),)) if choice == "auto" else SamplingParams()
+    # (Llama: a bias on "{", which opens a bare JSON call as the answer's first token.)
+    opening = ids["<tool_call>"] if name == "qwen" else engine.tokenizer.encode_plain("{")[0]
+    params = SamplingParams(logit_bias=((opening, 9.0),)) if choice == "auto" else SamplingParams()
     want = engine.generate(prompt_ids=prompt, max_new_tokens=70, structured=constraint, sampling=params,
                            speculative=False)
     if choice == "auto":
-        assert ids["<tool_call>"] in want.token_ids
+        assert opening in want.token_ids and want.finish_reason == "stop"
     content, calls = T.parse_answer(fam, toolset, want.token_ids, engine.tokenizer)
     if want.finish_reason == "stop":
         assert_valid(calls)
@@ -284,3 +284,22 @@ def test_a_stream_sends_text_until_a_call_may_begin(family):
     sent = "".join(stream.push(c, tok.encode_plain(c)) for c in text)
     rest, chunks, finish = stream.finish("stop")
     assert sent == "Use " and sent + rest == text and chunks == [] and finish == "stop"
+
+
+def test_llama_auto_opens_a_call_only_at_the_answers_first_token(family):
+    """Llama's bare JSON call: a first token the call grammar can begin with starts the constraint
+    (rows after it masked), the same token later in the answer is free text."""
+    name, _, ids, engine = family
+    if name != "llama":
+        pytest.skip("Llama's bare JSON calls")
+    toolset = T.tool_set(TOOLS, "auto")
+    constraint = T.constraint(T.LLAMA3, toolset, engine.tokenizer)
+    lazy = engine.compile_structured(constraint)
+    enc = engine.tokenizer.encode_plain
+    brace = enc("{")
+    masks = lazy.masks([[], brace, enc("Hi") + brace, [ids["<|python_tag|>"]] + brace])
+    assert masks[0].all() and masks[2].all()
+    assert masks[1].sum() == 1 and masks[1][enc('"')[0]]  # inside the call: its JSON, key by key
+    assert torch.equal(masks[3], masks[1])  # after <|python_tag|> too
+    lazy.advance(enc("Hi"))
+    assert lazy.masks([brace])[0].all()

@@ -17,7 +17,8 @@ Constraints (the grammar machinery of `structured.py`, so a forbidden draft toke
 `tool_choice` "required", a named function, or any tool with `strict: true` constrains the answer
 from its first token to the family's wrapper around a call whose JSON is valid for one tool. Under
 "auto" the constraint is lazy (`LazyToolGrammar`): free text until the family's opening token, then
-the call grammar from the token after it; within a drafted block the opening may come at any
+the call grammar from the token after it (for Llama also from the answer's first token when that
+token begins a call's JSON: an answer that starts as a call is one); within a drafted block the opening may come at any
 position, and every later position of that block is masked as the call grammar says.
 """
 
@@ -198,17 +199,31 @@ def call_grammar(family: Family, toolset: ToolSet, lazy: bool, marks: tuple[int,
 
 
 class LazyToolGrammar:
-    """A call grammar that starts after the trigger token (`structured.GrammarState`'s interface:
-    `masks(paths)`, `advance(tokens)`). Before the trigger every token is allowed; a path that holds
-    the trigger is masked, from the position after it, by a scratch copy of the call grammar at its
-    start (never advanced, so each probe begins there and rolls back)."""
+    """A call grammar that starts lazily (`structured.GrammarState`'s interface: `masks(paths)`,
+    `advance(tokens)`): after the trigger token anywhere, or, with `opens_at_start` (Llama's bare
+    JSON calls), from the answer's first token when that token is one the call grammar can begin
+    with. Before that every token is allowed; a path that starts a call is masked, from the position
+    after the trigger (or after its first token), by a scratch copy of the call grammar at its start
+    (never advanced, so each probe begins there and rolls back)."""
 
-    def __init__(self, scratch, trigger: int, vocab: int):
+    def __init__(self, scratch, trigger: int, vocab: int, opens_at_start: bool = False):
         self.scratch = scratch  # a GrammarState at the call grammar's start
         self.trigger = trigger
         self.vocab = vocab
-        self.active = None  # the GrammarState once the trigger is committed
+        self.active = None  # the GrammarState once a call is committed
         self.param = scratch.param
+        self.begun = False  # some of the answer is committed
+        starts = scratch._mask() if opens_at_start else torch.zeros(vocab, dtype=torch.bool)
+        starts[scratch.tokens.eos_ids] = False
+        self.starts = starts  # [vocab]: first tokens that open a call
+
+    def _call_of(self, path: list[int]) -> list[int] | None:
+        """The call's tokens in an uncommitted path (from the answer's start), or None."""
+        if not self.begun and path and self.starts[path[0]]:
+            return path
+        if self.trigger in path:
+            return path[path.index(self.trigger) + 1:]
+        return None
 
     def masks(self, paths: list[list[int]]) -> torch.Tensor:
         if self.active is not None:
@@ -216,18 +231,21 @@ class LazyToolGrammar:
         out = torch.ones(len(paths), self.vocab, dtype=torch.bool)
         rows, tails = [], []
         for j, path in enumerate(paths):
-            if self.trigger in path:
+            tail = self._call_of(path)
+            if tail is not None:
                 rows.append(j)
-                tails.append(path[path.index(self.trigger) + 1:])
+                tails.append(tail)
         if rows:
             out[rows] = self.scratch.masks(tails)
         return out
 
     def advance(self, tokens: list[int]) -> None:
         if self.active is None:
-            if self.trigger not in tokens:
+            tail = self._call_of(tokens)
+            self.begun = self.begun or bool(tokens)
+            if tail is None:
                 return
-            tokens = tokens[tokens.index(self.trigger) + 1:]
+            tokens = tail
             self.active = type(self.scratch)(self.scratch.matcher.deep_copy(), self.scratch.tokens, self.param,
                                              self.scratch.allow)
         self.active.advance(tokens)
@@ -247,13 +265,14 @@ class ToolConstraint:
         lazy = self.trigger is not None
         grammar = call_grammar(self.family, self.toolset, lazy, self.marks)
         state = compile_spec(StructuredSpec("grammar", grammar, self.param), tokens, self.marks or ())
-        return LazyToolGrammar(state, self.trigger, tokens.vocab) if lazy else state
+        return LazyToolGrammar(state, self.trigger, tokens.vocab, self.family is LLAMA3) if lazy else state
 
 
 def constraint(family: Family, toolset: ToolSet, tokenizer) -> ToolConstraint | None:
     """The request's constraint: from the start for "required" or a named function; under "auto"
-    lazy at the opening token where the opening is one token (strict tools or not: a call once
-    begun always follows its schema); else None (Llama's bare JSON calls under "auto")."""
+    lazy at the opening token (for Llama also at a first token that begins a call's JSON), strict
+    tools or not: a call once begun always follows its schema. None where the opening is not one
+    token of this tokenizer (calls are then parsed, not constrained)."""
     marks = None
     if family is HERMES:
         ids = [tokenizer.encode_plain(text) for text in ("<tool_call>", "</tool_call>")]
