@@ -1,9 +1,12 @@
 """Tool calling over /v1/chat/completions (server/toolapi.py): calls as `message.tool_calls` with
 OpenAI's finish reasons, streamed chunks that the official `openai` client's stream helper
 assembles into the call the non-streaming answer holds, a tool loop through the client (history
-with assistant calls and tool results), and a 400 naming the field for each bad input. On the tiny
+with assistant calls and tool results), a 400 naming the field for each bad input, and two agent
+frameworks from PyPI with tool_choice="required": the OpenAI Agents SDK (its chat-completions
+model) runs a function tool, LangChain's `ChatOpenAI.bind_tools` returns a valid call. On the tiny
 random Qwen2.5-templated model (tests/tool_models.py), drafting with n-grams."""
 
+import asyncio
 import json
 
 import httpx
@@ -125,7 +128,8 @@ BAD = [
     ({"tools": TOOLS, "messages": ASK + [{"role": "tool", "tool_call_id": "x", "content": "1"}]},
      "messages[1].tool_call_id"),
     ({"tools": TOOLS, "messages": ASK + [{"role": "assistant", "tool_calls": [
-        {**CALL, "function": {"name": "get_time", "arguments": "{tz"}}]}]}, "messages[1].tool_calls[0].function.arguments"),
+        {**CALL, "function": {"name": "get_time", "arguments": "{tz"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "custom", "custom": {"name": "c"}}]}, "tools[0].type"),
     ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}},
@@ -160,3 +164,49 @@ def test_an_auto_call_is_valid_and_streams_as_the_whole_answer(client, server):
     assert streamed.finish_reason == "tool_calls" and (streamed.message.content or None) == whole.message.content
     assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
         [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+# -- agent frameworks ----------------------------------------------------------------------------
+
+
+def test_openai_agents_sdk_runs_a_tool(server):
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+    seen = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return f"sunny in {city}"
+
+    client = AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = agents.OpenAIChatCompletionsModel(model="tiny", openai_client=client)
+    agent = agents.Agent(name="weather", instructions="Answer with the tool.", model=model, tools=[get_weather],
+                         model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=120,
+                                                             parallel_tool_calls=False),
+                         tool_use_behavior="stop_on_first_tool")
+    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=2))
+    assert len(seen) == 1 and isinstance(seen[0], str)
+    assert result.final_output == f"sunny in {seen[0]}"
+
+
+def test_langchain_bind_tools_returns_a_valid_call(server):
+    pytest.importorskip("langchain_openai")
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_time(tz: int) -> str:
+        """The time in a time zone, as an hour offset."""
+        return "noon"
+
+    llm = ChatOpenAI(model="tiny", base_url=server + "/v1", api_key="unused", temperature=0, max_tokens=120,
+                     max_retries=0)
+    answer = llm.bind_tools([get_time], tool_choice="required").invoke("What time is it in Paris?")
+    assert len(answer.tool_calls) >= 1
+    call = answer.tool_calls[0]
+    assert call["name"] == "get_time" and isinstance(call["args"]["tz"], int) and call["id"]
+    assert get_time.invoke(call["args"]) == "noon"

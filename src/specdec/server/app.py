@@ -478,8 +478,8 @@ def create_app(settings: ServerSettings,
         turn = tool_turn(body, tokenizer)
         handle = await submit(request, tenant, body, scheduler, lambda: tokenizer.encode_chat(
             template_messages(body), body.add_generation_prompt, body.continue_final_message,
-            turn and turn.template_tools), body.max_completion_tokens or body.max_tokens, top if body.logprobs else None,
-                              turn and turn.constraint)
+            turn and turn.template_tools), body.max_completion_tokens or body.max_tokens,
+                              top if body.logprobs else None, turn and turn.constraint)
         access = request.scope["specdec.access"]
         rid, created = f"chatcmpl-{access.id}", int(time.time())
         base = {"id": rid, "created": created, "model": settings.served_model_name}
