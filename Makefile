@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 CORE := $(VENV)/.installed-core
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-core demo test clean qwen-coder qwen-coder-demo
+.PHONY: install install-core demo test test-fast clean qwen-coder qwen-coder-demo
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -53,6 +53,11 @@ qwen-coder-demo: qwen-coder
 
 test: install
 	$(BIN)/python -m pytest -q tests
+
+# The tests marked `fast` (a few minutes on two cores): greedy output equal to plain decoding for
+# every drafter, a chi-square test that catches a broken acceptance rule, no import circle.
+test-fast: install
+	$(BIN)/python -m pytest -q -m fast tests
 
 clean:
 	rm -rf $(VENV)

@@ -99,3 +99,13 @@ def pooled_chisquare_p(counts: dict, cells, probs, samples: int) -> float:
         expected.append(rest_exp)
     scale = sum(observed) / sum(expected)
     return chisquare(observed, [e * scale for e in expected]).pvalue
+
+
+def drive(scheduler, handles) -> list:
+    """Run a `BatchScheduler`'s loop by hand on this thread (never `start()`ed) until every handle
+    has finished; their completions. Which rows share a step then follows from the order of the
+    `submit` calls alone: everything submitted before an iteration is admitted by it (up to
+    `max_batch`), never whatever a scheduler thread happened to have picked up by then."""
+    while not all(h.finished for h in handles):
+        scheduler.run_once(wait=False)
+    return [h.result() for h in handles]

@@ -21,10 +21,10 @@ from specdec.drafters.combined import lookup_first
 from specdec.drafters.eagle import EagleDrafter
 from specdec.models import loader
 from specdec.policy import DraftController
-from specdec.scheduler import BatchScheduler, Request, RequestHandle, serving_drafters
+from specdec.scheduler import BatchScheduler, Request, serving_drafters
 from specdec.train import TrainConfig, train_model
 
-from helpers import TINY_VOCAB, make_char_tokenizer, make_tiny_hf
+from helpers import TINY_VOCAB, drive, make_char_tokenizer, make_tiny_hf
 
 import test_eagle as te
 import test_draft_model as tdm
@@ -92,6 +92,7 @@ def plain(pair):
 NAMES = ["draft_model", "eagle", "ngram", "suffix", "ngram+eagle", "ngram+draft_model", "ngram-tree", "eagle-tree"]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", NAMES)
 def test_every_drafter_alone_equals_plain(pair, plain, name):
     drafter = drafters(pair)[name]
@@ -105,24 +106,23 @@ def test_every_drafter_alone_equals_plain(pair, plain, name):
     assert drafted > 0
 
 
+@pytest.mark.fast
 def test_batch_of_mixed_drafters_equals_plain(pair, plain):
     made = drafters(pair)
     names = list(made)
     assert names == NAMES
     sched = BatchScheduler(pair["target"], None, drafter="ngram", drafters={"none": None, **made}, draft_trees=TREES,
                            num_speculative_tokens=4, max_batch=8, max_model_len=256, spec_token_budget=64,
-                           adaptive=False)
+                           adaptive=False, draft_length="fixed")  # every drafter drafts, priced or not
     ps = prompts(18)
     limits = [4 + 3 * (i % 6) for i in range(18)]  # rows stop at different steps
     cycle = names + ["none"]  # each drafter twice, plain rows among them
     requests = [Request(p, n, drafter=cycle[i % len(cycle)]) for i, (p, n) in enumerate(zip(ps, limits))]
-    sched.start()
-    first = [sched.submit(r) for r in requests[:8]]  # a full batch
-    deltas = iter(first[0])
-    head = next(deltas)  # ... running: the rest join mid-way, as rows leave
-    rest = [sched.submit(r) for r in requests[8:]]
-    outs = [RequestHandle.collect([head, *deltas])] + [h.result() for h in first[1:] + rest]
-    sched.shutdown()
+    # Driven by hand (no scheduler thread), so the batch is the one set up here: the first 8
+    # admitted together and running, then the rest, which join mid-way as rows leave.
+    first = [sched.submit(r) for r in requests[:8]]
+    sched.run_once(wait=False)
+    outs = drive(sched, first + [sched.submit(r) for r in requests[8:]])
     for r, o in zip(requests, outs):
         assert o.token_ids == plain(r.prompt_ids, r.max_new_tokens), r.drafter
         # Some rows stop at EOS before their limit, as they do alone.
@@ -146,7 +146,8 @@ def batched_p_value(params, drafter, k=2):
     seeds and temperatures (whose output is not counted)."""
     target = tdm.small_model(0)
     sched = BatchScheduler(target, None, drafter="d", drafters={"d": drafter}, num_speculative_tokens=k,
-                           max_batch=8, max_queue=10 * tdm.SAMPLES, max_model_len=16, adaptive=False).start()
+                           max_batch=8, max_queue=10 * tdm.SAMPLES, max_model_len=16, adaptive=False,
+                           draft_length="fixed")
     counted, others = [], []
     for seed in range(tdm.SAMPLES):
         sp = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed)
@@ -155,12 +156,9 @@ def batched_p_value(params, drafter, k=2):
             others.append(sched.submit(Request([2, 3, 1][: 1 + seed % 3], 4, SamplingParams(temperature=1.4,
                                                                                           seed=10**6 + seed))))
     counts = {}
-    for h in counted:
-        ids = tuple(h.result().token_ids)
+    for out in drive(sched, counted + others)[: len(counted)]:  # all queued first: full batches of 8
+        ids = tuple(out.token_ids)
         counts[ids] = counts.get(ids, 0) + 1
-    for h in others:
-        h.result()
-    sched.shutdown()
     assert sched.counters.step_rows / sched.counters.steps > 4  # the samples really ran batched
     return tdm.chi_square_p(target, params, counts, strict=not isinstance(drafter, tdm.BrokenDrafter))
 
@@ -184,7 +182,8 @@ def test_server_with_a_draft_model(pair):
     engine = Engine(pair["target"], loader_tokenizer(pair["folder"]))
     settings = ts.ServerSettings(model=str(pair["folder"]), served_model_name="tiny", drafter=str(pair["draft_dir"]),
                                  num_speculative_tokens=3, max_batch=16, max_queue=64, max_model_len=256,
-                                 dtype="float32", speculation_control="budget", spec_token_budget=64)
+                                 dtype="float32", speculation_control="budget", spec_token_budget=64,
+                                 draft_length="fixed")  # the tiny draft model is too dear for the cost rule
     srv = ts.ThreadServer(ts.create_app(settings, load=lambda s: (engine.model, engine.tokenizer))).start()
     try:
         texts = [f"{'abcdefgh'[i % 8]}{'xyz'[i % 3]} abc abc {i}" for i in range(16)]
@@ -259,10 +258,11 @@ def test_model_drafter_rows_draft_in_one_batched_forward(pair, plain, monkeypatc
     alone = Engine(pair["target"], None, drafter=drafters(pair)[kind], num_speculative_tokens=3, draft_length="fixed")
     loaded = drafters(pair)[kind]
     sched = BatchScheduler(pair["target"], None, drafter=kind, drafters={kind: loaded}, num_speculative_tokens=3,
-                           max_batch=6, max_model_len=256, spec_token_budget=64, adaptive=False).start()
+                           max_batch=6, max_model_len=256, spec_token_budget=64, adaptive=False,
+                           draft_length="fixed")
     limits = [6 + 2 * (i % 4) for i in range(10)]
-    outs = [h.result() for h in [sched.submit(Request(p, n)) for p, n in zip(ps, limits)]]
-    sched.shutdown()
+    # All queued before the loop runs (by hand): the first 6 are admitted together, the rest as rows leave.
+    outs = drive(sched, [sched.submit(Request(p, n)) for p, n in zip(ps, limits)])
     assert [o.token_ids for o in outs] == [plain(p, n) for p, n in zip(ps, limits)]
     assert max(widths) > 2  # rows drafted together
     phase[0] = "alone"
@@ -313,11 +313,12 @@ def test_lookup_first_rows_join_the_batched_forward(pair, plain, monkeypatch, ki
     k = 3
     sched = BatchScheduler(pair["target"], None, drafter=name, drafters={name: drafters(pair)[name]},
                            num_speculative_tokens=k, max_batch=6, max_model_len=256, spec_token_budget=64,
-                           adaptive=False).start()
+                           adaptive=False, draft_length="fixed")
     # Prompts without repeats: lookup finds little, so most rows fall back to the learned part.
     ps = [torch.randint(3, V, (8 + i,), generator=torch.Generator().manual_seed(100 + i)).tolist() for i in range(8)]
-    outs = [h.result() for h in [sched.submit(Request(p, 10)) for p in ps]]
-    sched.shutdown()
+    # All queued before the loop runs (by hand, no scheduler thread): the first 6 rows are admitted
+    # and step together, whatever the machine's timing.
+    outs = drive(sched, [sched.submit(Request(p, 10)) for p in ps])
     monkeypatch.undo()
     assert [o.token_ids for o in outs] == [plain(p, 10) for p in ps]
     crowded = [(f, learned) for f, learned in steps if learned >= 4]

@@ -439,7 +439,7 @@ def test_ctrl_c_keeps_the_complete_prompt_rounds(tiny):
 
 def test_llama_cpp_runner_passes_ids_greedy_and_stops(tmp_path, monkeypatch):
     """The llama.cpp adapter against a stand-in module (the real package is optional)."""
-    from specdec.bench.runner import LlamaCppRunner
+    from specdec.bench.peers import LlamaCppRunner
 
     calls = []
 

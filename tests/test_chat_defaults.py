@@ -157,7 +157,7 @@ def test_llama_speculative_runner_parses_the_programs_output(chat_folder, tmp_pa
     from pathlib import Path
 
     from specdec.bench import configs as C
-    from specdec.bench.runner import LlamaSpeculativeRunner, llama_speculative_binary
+    from specdec.bench.peers import LlamaSpeculativeRunner, llama_speculative_binary
     from specdec.tokenizer import Tokenizer
 
     fake = tmp_path / "llama-speculative"

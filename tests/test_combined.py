@@ -75,6 +75,7 @@ def test_trees_only_when_both_parts_draft_them(tiny_models):
     assert not lookup_first(SuffixDrafter(), head).needs.trees
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("length,tree", [("fixed", None), ("cost", None), ("fixed", "3x2x6")])
 def test_greedy_identity_with_both_kinds_drafting(tiny_models, family, length, tree):

@@ -60,6 +60,7 @@ def plain_greedy(tiny, family, ids, n):
 # -- greedy identity ---------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("draft", ["self", "noisy", "other"])
 @pytest.mark.parametrize("k,length", [(1, "fixed"), (3, "fixed"), (8, "fixed"), (3, "adaptive")])

@@ -43,6 +43,7 @@ def features(target: Transformer, ids: list[int]) -> torch.Tensor:  # [len(ids),
 # -- greedy identity and the protocol ------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("k,draft_vocab", [(1, V), (4, 60), (7, 60)])
 def test_greedy_identity_random_head(tiny_models, family, k, draft_vocab):

@@ -116,6 +116,7 @@ def check_stats(out):
 # -- greedy identity ------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
 @pytest.mark.parametrize("shape", ["4x3x12", "1x1x1", "8x1x8", "6x2x5", "3x4x30"])
 def test_oracle_tree_greedy_identity(targets, family, shape):
@@ -130,6 +131,7 @@ def test_oracle_tree_greedy_identity(targets, family, shape):
         assert out.stats.accepted_tokens > 0
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
 @pytest.mark.parametrize("shape", [TreeShape(3, 3, 10), TreeShape(1, 1, 1), TreeShape(6, 1, 6), TreeShape(4, 4, 24)])
 def test_eagle_tree_greedy_identity(targets, family, shape):
@@ -154,6 +156,7 @@ def repetitive(seed, n=60):
     return out
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("shape", ["4x3x12", "1x1x1", "6x1x6", "3x2x4"])
 def test_ngram_tree_greedy_identity(targets, shape):
     target = targets["gemma3"]

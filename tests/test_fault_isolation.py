@@ -18,14 +18,16 @@ import torch
 
 from specdec import Engine, SamplingParams
 from specdec.drafters import NgramDrafter
-from specdec.drafters.base import DrafterBase, Proposal
+from specdec.drafters.base import DrafterBase
 from specdec.errors import InvalidRequestError
 from specdec.scheduler import BatchScheduler, Request
 
-from helpers import make_tiny_hf, random_prompts
+from helpers import random_prompts
 
 pytest.importorskip("llguidance")
-from test_structured import make_byte_tokenizer  # noqa: E402 (needs llguidance)
+# The tiny Gemma 3 with a byte-level tokenizer a grammar engine reads, its plain engine and a
+# server of it: what the structured-output tests use.
+from test_structured import folder, plain, server  # noqa: E402,F401 (fixtures; need llguidance)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,18 +36,6 @@ SECRET = "ACME-CONFIDENTIAL"  # in every injected exception's text: no other req
 N = 12  # new tokens per request
 GOOD = random_prompts(8, length=20, seed=5)  # over the prefix cache's 16-token minimum
 AVOID = ((POISON, -100.0),)  # good rows never emit the poison token (the same alone and batched)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    folder, _ = make_tiny_hf(tmp_path_factory.mktemp("fault"), "gemma3", seed=0)
-    make_byte_tokenizer(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def plain(folder):
-    return Engine.load(str(folder), drafter="none", dtype="float32")
 
 
 class FaultyModel:
@@ -210,17 +200,6 @@ def test_a_grammar_fault_fails_its_row_alone(plain, references, error, status):
 
 
 # -- over HTTP: the attack's triggers beside 8 concurrent good requests ---------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(folder, plain):
-    from specdec.server.app import ServerSettings, create_app
-    from test_server import SETTINGS, ThreadServer
-
-    srv = ThreadServer(create_app(ServerSettings(model=str(folder), **SETTINGS),
-                                  load=lambda s: (plain.model, plain.tokenizer))).start()
-    yield srv.url
-    srv.stop()
 
 
 PROMPTS = ["The cat", "Hello there", "A list: 1, 2,", "Why is the sky", "def f(x):", "Once upon", "SELECT *",

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.models import gguf_file, loader
+from specdec.models import build, gguf_file, loader
 
 HF_TO_GGUF = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -89,7 +89,7 @@ def test_tiny_gguf_matches_safetensors(tmp_path, monkeypatch, q8):
     # Large tables are dequantised a block of rows at a time: blocks of 7 rows (the last one short)
     # write the very same file as whole tensors.
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache-blocks"))
-    monkeypatch.setattr(loader, "_GGUF_BLOCK_ROWS", 7)
+    monkeypatch.setattr(build, "_GGUF_BLOCK_ROWS", 7)  # where the GGUF readers live
     blocked = loader.resolve(tmp_path / "tiny.gguf")
     whole = tmp_path / "cache" / "gguf" / blocked.name
     assert (blocked / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()

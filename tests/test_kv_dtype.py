@@ -14,7 +14,7 @@ from specdec.models.kv_cache import resolve_kv_dtype
 from specdec.scheduler import BatchScheduler, Request
 from specdec.settings import DecodingSettings
 
-from helpers import speculative_equals_plain
+from helpers import drive, speculative_equals_plain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,10 +101,10 @@ def test_batched_rows_equal_alone_and_speculative_equals_plain(target, kv_dtype)
         drafted += out.stats.draft_tokens
     assert drafted > 0
     sched = BatchScheduler(target, None, drafter="ngram", num_speculative_tokens=4, max_batch=6, max_model_len=128,
-                           adaptive=False, kv_dtype=kv_dtype).start()
-    handles = [sched.submit(Request(p, 16, drafter=("ngram" if i % 2 else "none"))) for i, p in enumerate(ps)]
-    outs = [h.result().token_ids for h in handles]
-    sched.shutdown()
+                           adaptive=False, kv_dtype=kv_dtype)
+    # All queued before the loop runs (by hand, no scheduler thread): the 6 rows are admitted together.
+    outs = [c.token_ids for c in drive(sched, [sched.submit(Request(p, 16, drafter=("ngram" if i % 2 else "none")))
+                                               for i, p in enumerate(ps)])]
     assert outs == alone
     assert sched.counters.step_rows / sched.counters.steps > 2  # the rows really shared steps
 

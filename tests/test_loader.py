@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.errors import ModelLoadError
-from specdec.models import loader
+from specdec.models import build, loader
 from specdec.models.quant import Int8Linear, cpu_int8_available, quantize_model
 
 from helpers import make_tiny_hf
@@ -48,7 +48,7 @@ def test_converting_load_reads_in_blocks_and_equals_to(tmp_path, monkeypatch):
     real_read_into = loader.StoredTensor.read_into
     monkeypatch.setattr(loader.StoredTensor, "read_into",
                         lambda self, start, out: (reads.append(out.shape[0] if out.dim() else 0), real_read_into(self, start, out)))
-    monkeypatch.setattr(loader, "_CONVERT_BLOCK_BYTES", 4 * 5 * 8)  # 8 rows of the table a read
+    monkeypatch.setattr(build, "_CONVERT_BLOCK_BYTES", 4 * 5 * 8)  # 8 rows of the table a read (build.py reads)
     for dtype in (torch.bfloat16, torch.float16, torch.float64):
         for name, tensor in tensors.items():
             reads.clear()

@@ -9,7 +9,12 @@ from specdec.models import loader
 from specdec.policy import GoodputModel
 from specdec.scheduler import BatchScheduler, QueueFullError, Request, ShuttingDownError
 
-from helpers import make_tiny_hf
+from helpers import drive, make_tiny_hf
+
+# The schedulers here keep the default goodput rule, which picks k from measured step times, and
+# their greedy rows are compared with plain decoding: on one torch thread a row is computed the same
+# whatever the shape of its block, so that comparison does not depend on the machine's timing.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +36,15 @@ def test_batched_greedy_equals_alone(tiny, drafter, k):
     ps = prompts(11)
     lengths = [5 + 4 * (i % 5) for i in range(11)]  # rows finish at different steps
     refs = [plain.generate(prompt_ids=p, max_new_tokens=n).token_ids for p, n in zip(ps, lengths)]
-    # 11 requests through 4 rows: requests join as others leave, and rows get moved.
+    # 11 requests through 4 rows, all queued before the loop runs (by hand, no scheduler thread):
+    # 4 admitted together, the rest join as others leave, and rows get moved.
     sched = BatchScheduler(tiny, None, drafter=drafter, num_speculative_tokens=k, max_batch=4,
-                           max_model_len=256).start()
+                           max_model_len=256)
     # Mixed per-request overrides in the same batch.
     overrides = [(None, None), ("ngram", 2), ("none", 0), (None, 6)]
-    handles = [sched.submit(Request(p, n, drafter=overrides[i % 4][0], num_speculative_tokens=overrides[i % 4][1]))
-               for i, (p, n) in enumerate(zip(ps, lengths))]
-    outs = [h.result() for h in handles]
-    sched.shutdown()
+    outs = drive(sched, [sched.submit(Request(p, n, drafter=overrides[i % 4][0],
+                                              num_speculative_tokens=overrides[i % 4][1]))
+                         for i, (p, n) in enumerate(zip(ps, lengths))])
     assert [o.token_ids for o in outs] == refs
     assert all(o.finish_reason == "length" and o.usage.completion_tokens == n for o, n in zip(outs, lengths))
     c = sched.counters
@@ -51,16 +56,18 @@ def test_batched_greedy_equals_alone(tiny, drafter, k):
 
 def test_seeded_sampling_alone_is_reproducible_and_rows_have_own_rngs(tiny):
     sched = BatchScheduler(tiny, None, drafter="ngram", num_speculative_tokens=3, max_batch=4,
-                           max_model_len=256).start()
+                           max_model_len=256)
+
+    def run(*requests):  # queued together, then the loop by hand: they are admitted together
+        return [c.token_ids for c in drive(sched, [sched.submit(r) for r in requests])]
+
     p = prompts(1)[0]
     sp = SamplingParams(temperature=1.0, seed=11)
-    a = sched.submit(Request(p, 30, sp)).result().token_ids
-    b = sched.submit(Request(p, 30, sp)).result().token_ids
+    [a], [b] = run(Request(p, 30, sp)), run(Request(p, 30, sp))
     # Four copies side by side: one generator each, so all four draw the same stream; at 4 rows
     # the budget rule still allows k = 3 (k_cap(4) = 7), so they draft exactly as when alone.
-    together = [h.result().token_ids for h in [sched.submit(Request(p, 30, sp)) for _ in range(4)]]
-    other = sched.submit(Request(p, 30, SamplingParams(temperature=1.0, seed=12))).result().token_ids
-    sched.shutdown()
+    together = run(*[Request(p, 30, sp) for _ in range(4)])
+    [other] = run(Request(p, 30, SamplingParams(temperature=1.0, seed=12)))
     assert a == b and all(t == a for t in together) and other != a
 
 
@@ -68,27 +75,29 @@ def test_speculation_fades_under_load(tiny):
     sched = BatchScheduler(tiny, None, drafter="ngram", num_speculative_tokens=5, max_batch=8, max_model_len=256,
                            spec_token_budget=8)
     assert [sched.k_cap(n) for n in (1, 2, 3, 4, 5, 8)] == [7, 3, 1, 1, 0, 0]
-    sched.start()
-    # n rows draft at most budget // n - 1 tokens each, so a step scores at most the budget.
-    handles = [sched.submit(Request(p, 12)) for p in prompts(8)]
-    for h in handles:
-        h.result()
-    sched.shutdown()
+    # n rows draft at most budget // n - 1 tokens each, so a step scores at most the budget. All
+    # 8 queued before the loop runs (by hand): admitted together, then leaving one by one (their
+    # limits differ), so every load from 8 rows down to 1 is stepped.
+    drive(sched, [sched.submit(Request(p, 6 + 3 * i)) for i, p in enumerate(prompts(8))])
     c = sched.counters
+    assert c.step_rows / c.steps > 2  # the steps were crowded
     assert c.step_tokens <= 8 * c.steps  # no step scored more than the budget
 
 
 def test_cancel_frees_the_row(tiny):
+    # The loop by hand: the cancellation lands after the first step, wherever the machine's timing
+    # would have put a scheduler thread by then (it could have finished all 400 tokens).
     sched = BatchScheduler(tiny, None, drafter="ngram", num_speculative_tokens=3, max_batch=2,
-                           max_model_len=512).start()
+                           max_model_len=512)
     long = sched.submit(Request(prompts(1)[0], 400))
-    deltas = iter(long)
-    next(deltas)
+    sched.run_once(wait=False)
+    assert sched.num_running == 1 and not long.finished
     long.cancel()
-    rest = list(deltas)
-    assert rest[-1].finish_reason == "cancelled"
-    assert sched.submit(Request([1, 2, 3], 3)).result().usage.completion_tokens == 3
-    sched.shutdown()
+    sched.run_once(wait=False)  # the cancellation is taken before anything else
+    assert long.finished and sched.num_running == 0
+    out = long.result()
+    assert out.finish_reason == "cancelled" and 0 < len(out.token_ids) < 400
+    assert drive(sched, [sched.submit(Request([1, 2, 3], 3))])[0].usage.completion_tokens == 3
     assert sched.num_running == 0 and sched.counters.finished["cancelled"] == 1
 
 

@@ -40,6 +40,7 @@ class ThreadServer:
     def __init__(self, app):
         import uvicorn
 
+        self.app = app
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=self.port, log_level="error"))
@@ -59,6 +60,38 @@ class ThreadServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+    @property
+    def scheduler(self):
+        return self.app.state.specdec.scheduler
+
+
+def hold_scheduler(scheduler, ready, timeout: float = 120) -> threading.Event:
+    """Park a running scheduler's loop between two of its iterations until `ready()` holds, once.
+
+    Returns when the loop is parked. Requests that arrive meanwhile all wait, and the next iteration
+    admits them together (up to `max_batch`): a test that asserts on batching sets up its batch
+    this way instead of counting on when the HTTP requests and the scheduler thread happen to run.
+    `timeout` only keeps a test whose `ready()` never comes from hanging; the event returned is set
+    when the loop went on because `ready()` held (a test asserts it).
+    """
+    parked, was_ready = threading.Event(), threading.Event()
+    real = scheduler.run_once
+
+    def held(wait: bool = True) -> bool:
+        del scheduler.run_once  # once: the iterations after this one are the loop's own
+        parked.set()
+        deadline = time.monotonic() + timeout
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if ready():
+            was_ready.set()
+        return real(wait)
+
+    scheduler.run_once = held
+    scheduler.cancel(-1)  # wakes an idle loop (no request has id -1): its next iteration is the held one
+    assert parked.wait(timeout), "the scheduler loop did not come round"
+    return was_ready
 
 
 def metric(url: str, name: str, labels: str = "") -> float:
@@ -80,11 +113,16 @@ SETTINGS = dict(served_model_name="tiny", drafter="ngram", num_speculative_token
 
 
 @pytest.fixture(scope="module")
-def server(tiny_folder, engine):
+def thread_server(tiny_folder, engine):
     settings = ServerSettings(model=str(tiny_folder), **SETTINGS)
     srv = ThreadServer(create_app(settings, load=lambda s: (engine.model, engine.tokenizer))).start()
-    yield srv.url
+    yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(thread_server):
+    return thread_server.url
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +332,8 @@ def test_openai_client_raises_typed_errors(client):
 # -- load, limits, disconnects ---------------------------------------------------------------
 
 
-def test_32_concurrent_streams_match_running_alone(server, engine):
+def test_32_concurrent_streams_match_running_alone(thread_server, engine):
+    server = thread_server.url
     prompts = [f"{i} apples, {i} pears; {i} apples, {i}" for i in range(32)]
     lengths = [12 + (i % 5) * 3 for i in range(32)]
     refs = [greedy(engine, p, n).text for p, n in zip(prompts, lengths)]
@@ -314,7 +353,12 @@ def test_32_concurrent_streams_match_running_alone(server, engine):
         aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
         return await asyncio.gather(*(one(aclient, p, n) for p, n in zip(prompts, lengths)))
 
+    # A full batch queued before the scheduler goes on: 8 admitted together, the rest as rows leave
+    # (the tenant's gate lets max_batch requests at a time into the scheduler, the rest wait there).
+    sched = thread_server.scheduler
+    together = hold_scheduler(sched, lambda: sched.num_waiting == sched.max_batch)
     results = asyncio.run(main())
+    assert together.is_set()
     assert [t for t, _ in results] == refs
     assert [n for _, n in results] == lengths
     steps, rows = metric(server, "batch_steps_total") - steps0, metric(server, "batch_rows_total") - rows0
@@ -324,53 +368,64 @@ def test_32_concurrent_streams_match_running_alone(server, engine):
 
 def test_disconnected_stream_frees_its_slot(server):
     cancelled = metric(server, "request_success_total", ',finished_reason="cancelled"')
+    finished = metric(server, "request_success_total", ',finished_reason="length"')
     body = {"prompt": PROMPT, "max_tokens": 480, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", server + C, json=body) as res:
             lines = res.iter_lines()
             assert next(lines).startswith("data: ")
             assert metric(server, "num_requests_running") == 1
-    # The connection is closed: within a second the row is free and the request counted cancelled.
-    deadline = time.time() + 1.0
+    # The connection is closed: the row is freed and the request counted cancelled (not finished:
+    # 480 tokens would end as "length"). The deadline only keeps a failure from hanging.
+    deadline = time.time() + 60
     while metric(server, "num_requests_running") != 0:
         assert time.time() < deadline, "the abandoned stream still holds its batch row"
         time.sleep(0.02)
     while metric(server, "request_success_total", ',finished_reason="cancelled"') != cancelled + 1:
+        assert metric(server, "request_success_total", ',finished_reason="length"') == finished, "it ran to the end"
         assert time.time() < deadline
         time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
-def small_server(tiny_folder, engine):
+def small_thread_server(tiny_folder, engine):
     """One batch row, one queue place, an API key."""
     settings = ServerSettings(model=str(tiny_folder), **{**SETTINGS, "max_batch": 1, "max_queue": 1},
                               api_key="sesame")
     srv = ThreadServer(create_app(settings, load=lambda s: (engine.model, engine.tokenizer))).start()
-    yield srv.url
+    yield srv
     srv.stop()
 
 
-def test_burst_beyond_the_queue_gets_429(small_server):
+@pytest.fixture(scope="module")
+def small_server(small_thread_server):
+    return small_thread_server.url
+
+
+def test_burst_beyond_the_queue_gets_429(small_thread_server):
+    """12 requests at once for one batch row and one queue place: with the scheduler held until
+    the refusals are in, exactly two get in (the row's place and the queue's), ten get 429."""
+    url = small_thread_server.url
     auth = {"authorization": "Bearer sesame"}
     retry_after = []
 
     async def one(http, i):
         body = {"prompt": PROMPT, "max_tokens": 150, "temperature": 0, "stream": i % 2 == 0}
-        res = await http.post(small_server + C, json=body, headers=auth)
+        res = await http.post(url + C, json=body, headers=auth)
         retry_after.append((res.status_code, res.headers.get("retry-after")))
         return res.status_code, (res.json() if res.status_code != 200 else None)
 
     async def main():
-        async with httpx.AsyncClient(timeout=60) as http:
-            return await asyncio.wait_for(asyncio.gather(*(one(http, i) for i in range(12))), 60)
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(12)))
 
-    start = time.time()
+    refused = hold_scheduler(small_thread_server.scheduler, lambda: sum(c == 429 for c, _ in retry_after) >= 10)
     results = asyncio.run(main())
+    assert refused.is_set()
     codes = [c for c, _ in results]
-    assert set(codes) == {200, 429} and codes.count(200) >= 2 and codes.count(429) >= 6
+    assert codes.count(200) == 2 and codes.count(429) == 10
     assert all(e["error"]["type"] == "rate_limit_error" for c, e in results if c == 429)
     assert all(int(h) >= 1 for c, h in retry_after if c == 429)
-    assert time.time() - start < 60
 
 
 def test_api_key(small_server):

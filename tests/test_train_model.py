@@ -9,11 +9,12 @@ import torch
 
 from specdec import Engine
 from specdec.cli import main
+from specdec.distill import DistillData
 from specdec.drafters import DraftModelDrafter
 from specdec.errors import InvalidRequestError, ModelLoadError
 from specdec.models import loader
 from specdec.models.transformer import RopeSpec
-from specdec.train import CHECKPOINT_FILE, DATA_FILE, DistillData, TrainConfig, pick_layers, \
+from specdec.train import CHECKPOINT_FILE, DATA_FILE, TrainConfig, pick_layers, \
     train_model
 
 from helpers import TINY_VOCAB as V, make_tiny_hf, random_prompts as prompts, speculative_equals_plain
@@ -166,7 +167,7 @@ def test_text_data_is_the_target_reading_the_local_texts(tiny_models, tmp_path, 
     and every stored feature is the target's own hidden state on exactly those ids."""
     import random
 
-    import specdec.train
+    import specdec.distill
     from specdec.tokenizer import Tokenizer
 
     target, folder = tiny_models["llama"]["target"], tmp_path / "tok"
@@ -174,8 +175,8 @@ def test_text_data_is_the_target_reading_the_local_texts(tiny_models, tmp_path, 
     tiny_tokenizer(folder)
     tok = Tokenizer.from_folder(folder)
     paras = [" ".join(f"w{(i * 5 + j) % 90 + 3}" for j in range(10 + i)) for i in range(30)]
-    monkeypatch.setattr(specdec.train, "local_texts", lambda: ([], paras))
-    data = specdec.train.text_data(target, tok, 100, 32, random.Random(0))
+    monkeypatch.setattr(specdec.distill, "local_texts", lambda: ([], paras))
+    data = specdec.distill.text_data(target, tok, 100, 32, random.Random(0))
     assert sum(len(t) for t in data.tokens) == 100
     assert all(2 <= len(t) <= 32 and int(t[0]) == 1 for t in data.tokens)
     assert all(len(g) == 0 for g in data.greedy)
@@ -184,7 +185,7 @@ def test_text_data_is_the_target_reading_the_local_texts(tiny_models, tmp_path, 
             _, hidden = target(ids[None], torch.arange(len(ids))[None], target.new_cache(1, len(ids)))
         torch.testing.assert_close(feats, hidden[0], atol=0, rtol=0)
     # Every word of the texts that fit is there, in some window, in the shuffled order's packing.
-    everything = specdec.train.text_data(target, tok, 10 ** 6, 10 ** 4, random.Random(0))
+    everything = specdec.distill.text_data(target, tok, 10 ** 6, 10 ** 4, random.Random(0))
     words, separator = sum(10 + i for i in range(30)), [i for i in tok.encode("\n\n") if i != 1]
     assert len(everything.tokens) == 1 and len(everything.tokens[0]) == 1 + words + 29 * len(separator)
 
@@ -204,13 +205,13 @@ def test_cli_train_draft_model_then_generate(tiny_models, tmp_path, monkeypatch,
     `specdec generate --drafter OUT --compare`: the tokenizer files travel with the draft."""
     import shutil
 
-    import specdec.train
+    import specdec.distill
 
     folder = tmp_path / "target"
     shutil.copytree(tiny_models["llama"]["folder"], folder)
     tiny_tokenizer(folder)
     # Seeds from a few words instead of scanning the standard library (seconds of parsing).
-    monkeypatch.setattr(specdec.train, "local_texts",
+    monkeypatch.setattr(specdec.distill, "local_texts",
                         lambda: ([], [" ".join(f"w{(i * 7 + j) % 90 + 3}" for j in range(40)) for i in range(20)]))
     out = tmp_path / "draft"
     base = ["train-draft", "--kind", "model", "--target", str(folder), "--out", str(out), "--layers", "2",

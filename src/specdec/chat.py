@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from .cli import _progress, _show_drafts, add_decoding_arguments, load_engine, sampling_from_args
-from .engine import Emitted, Engine, Stats, Step
+from .engine import Emitted, Engine, Stats, Step, resolve_device, resolve_quantize
 from .errors import InvalidRequestError, SpecdecError
 from .models import loader
 from .models.kv_cache import KVCache
@@ -203,21 +203,24 @@ class Repl:
         self.say("specdec chat: /help lists the commands, /exit or Ctrl-D leaves.")
         while True:
             try:
-                line = input("> ")
+                if self.turn() is False:
+                    return 0
             except EOFError:
                 self.say("")
                 return 0
-            except KeyboardInterrupt:  # at the prompt: drop the line, as a shell does
-                self.say("")
+            except KeyboardInterrupt:  # at the prompt, or between an answer and the next prompt:
+                self.say("")  # drop the line, as a shell does (an answer handles its own)
                 continue
-            line = line.strip()
-            if not line:
-                continue
-            if line.startswith("/"):
-                if self.command(line) is False:
-                    return 0
-                continue
-            self.answer(line)
+
+    def turn(self) -> bool:
+        """Read one line and act on it; False to leave."""
+        line = input("> ").strip()
+        if not line:
+            return True
+        if line.startswith("/"):
+            return self.command(line) is not False
+        self.answer(line)
+        return True
 
     def command(self, line: str) -> bool:
         """Run a /command; False to leave."""
@@ -276,7 +279,8 @@ def run(args) -> int:
     sampling = sampling_from_args(args)
     # Before the weights: a model whose files leave no place for a template fails at once (the
     # default model's do); the session checks the loaded tokenizer itself.
-    if lacks_chat_template(loader.resolve(args.model, _progress)):
+    quantize = resolve_quantize(args.quantize, resolve_device(args.device), args.model)  # the folder the load reads
+    if lacks_chat_template(loader.resolve(args.model, _progress, quantize if args.tensor_parallel == 1 else "none")):
         raise no_template()
     engine = load_engine(args)
     session = ChatSession(engine, system=args.system, max_tokens=args.max_tokens, sampling=sampling,

@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     form.add_argument("--json-object", action="store_true", help="the output is a JSON object")
     form.add_argument("--regex", help="the output matches this regular expression")
     form.add_argument("--grammar", metavar="FILE", help="the output follows this Lark (or GBNF) grammar")
+    gen.add_argument("--prediction", metavar="FILE|-",
+                     help="the text the output is expected to be, mostly (an edit of a file: the file), from FILE "
+                          "or - for stdin: drafted from wherever the output follows it; the output is unchanged")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--compare", action="store_true", help="run plain and speculative decoding, compare")
@@ -131,7 +134,7 @@ SUBCOMMANDS = [
     ("bench", "specdec.bench.cli", "benchmark configurations on Spec-Bench prompts"),
     ("chat", "specdec.chat",
      "talk with a model turn by turn, kept loaded: its chat template, a system prompt, /reset, /drafts"),
-    ("models", "specdec.models.presets", "list the named models (--model / --drafter NAME) and whether they are installed"),
+    ("models", "specdec.models.models_cli", "list the named models (--model / --drafter NAME) and whether they are installed"),
     ("train-draft", "specdec.train",
      "train a drafter for a target by self-distillation: an EAGLE-style head or a small draft model"),
 ]
@@ -193,6 +196,28 @@ def load_engine(args):
                        tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype)
 
 
+def _compare(engine, kwargs: dict, args) -> int:
+    """--compare: plain and speculative decoding of the same request, both printed (or one JSON)."""
+    engine.generate(**{**kwargs, "max_new_tokens": 4})  # warm-up so the first timing is fair
+    plain = engine.generate(**kwargs, speculative=False)
+    spec = engine.generate(**kwargs)
+    result = {
+        "plain": {"text": plain.text, "tokens_per_s": plain.stats.tokens_per_s},
+        "speculative": {"text": spec.text, "tokens_per_s": spec.stats.tokens_per_s,
+                        "stats": spec.stats.as_dict(), **_prediction_usage(spec)},
+        "speedup": spec.stats.tokens_per_s / plain.stats.tokens_per_s if plain.stats.tokens_per_s else 0.0,
+        "identical": plain.token_ids == spec.token_ids,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"--- plain ({plain.stats.tokens_per_s:.1f} tokens/s)\n{plain.text}")
+    print(f"--- speculative, drafter {getattr(engine.drafter, 'name', 'none')} ({spec.stats.tokens_per_s:.1f} tokens/s, "
+          f"mean accepted length {spec.stats.mean_accepted_length:.2f})\n{spec.text}")
+    print(f"--- speedup {result['speedup']:.2f}x; texts identical: {result['identical']}")
+    return 0
+
+
 def _generate(args) -> int:
     from .tokenizer import check_text
 
@@ -236,6 +261,7 @@ def _generate(args) -> int:
         structured = {"json_object": True}
     elif args.regex is not None:
         structured = {"regex": args.regex}
+    prediction = _read_prediction(args.prediction)
     engine = load_engine(args)
     prompt = args.prompt
     if chat:
@@ -246,31 +272,14 @@ def _generate(args) -> int:
         # The reply ends at the template's end-of-turn token, which is the model's EOS (Qwen's <|im_end|>).
         prompt, prompt_ids = None, engine.tokenizer.encode_chat(messages)
     kwargs = dict(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=args.max_tokens, sampling=sampling,
-                  stop=args.stop, structured=structured)
+                  stop=args.stop, structured=structured, prediction=prediction)
     if args.compare:
-        engine.generate(**{**kwargs, "max_new_tokens": 4})  # warm-up so the first timing is fair
-        plain = engine.generate(**kwargs, speculative=False)
-        spec = engine.generate(**kwargs)
-        result = {
-            "plain": {"text": plain.text, "tokens_per_s": plain.stats.tokens_per_s},
-            "speculative": {"text": spec.text, "tokens_per_s": spec.stats.tokens_per_s,
-                            "stats": spec.stats.as_dict()},
-            "speedup": spec.stats.tokens_per_s / plain.stats.tokens_per_s if plain.stats.tokens_per_s else 0.0,
-            "identical": plain.token_ids == spec.token_ids,
-        }
-        if args.json:
-            print(json.dumps(result))
-            return 0
-        print(f"--- plain ({plain.stats.tokens_per_s:.1f} tokens/s)\n{plain.text}")
-        print(f"--- speculative, drafter {getattr(engine.drafter, 'name', 'none')} ({spec.stats.tokens_per_s:.1f} tokens/s, "
-              f"mean accepted length {spec.stats.mean_accepted_length:.2f})\n{spec.text}")
-        print(f"--- speedup {result['speedup']:.2f}x; texts identical: {result['identical']}")
-        return 0
+        return _compare(engine, kwargs, args)
     on_text = (lambda d: print(d, end="", flush=True)) if args.stream and not args.json else None
     out = engine.generate(**kwargs, on_text=on_text)
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                          "stats": out.stats.as_dict()}))
+                          "stats": out.stats.as_dict(), **_prediction_usage(out)}))
         return 0
     if args.show_drafts and engine.tokenizer is not None:
         print(_show_drafts(engine, out, sys.stdout.isatty()))
@@ -279,9 +288,33 @@ def _generate(args) -> int:
     else:
         print()
     s = out.stats
+    predicted = "".join(f", {k.split('_')[0]} prediction tokens {v}" for k, v in _prediction_usage(out).items())
     print(f"[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, {s.target_forwards} target forwards, "
-          f"mean accepted length {s.mean_accepted_length:.2f}, finish: {out.finish_reason}]", file=sys.stderr)
+          f"mean accepted length {s.mean_accepted_length:.2f}{predicted}, finish: {out.finish_reason}]", file=sys.stderr)
     return 0
+
+
+def _read_prediction(source: str | None) -> str | None:
+    """--prediction's text: FILE's or, for -, standard input's (UTF-8); one-line errors."""
+    if source is None:
+        return None
+    from .tokenizer import check_text
+
+    try:
+        text = sys.stdin.buffer.read().decode("utf-8") if source == "-" else Path(source).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecdecError(f"--prediction {source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise SpecdecError(f"--prediction: cannot read {source}: {exc.strerror or exc}") from None
+    return check_text(text, "--prediction", "prediction")
+
+
+def _prediction_usage(out) -> dict:
+    """OpenAI's usage fields of a generation's prediction (none without one)."""
+    if out.prediction is None:
+        return {}
+    return {"accepted_prediction_tokens": out.prediction.accepted,
+            "rejected_prediction_tokens": out.prediction.rejected}
 
 
 def main(argv: list[str] | None = None) -> int:

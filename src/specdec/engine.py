@@ -32,9 +32,10 @@ import torch
 
 from . import policy
 from .drafters import NgramDrafter, SuffixDrafter
-from .drafters.base import Drafter, Proposal, TreeShape
-from .drafters.combined import LEARNED, lookup_first, split_name
+from .drafters.base import Drafter, TreeShape
+from .drafters.combined import lookup_first, split_name
 from .drafters.eagle import eagle_head_path, is_eagle_name, make_eagle_drafter
+from .drafters.prediction import Prediction, PredictionDrafter, PredictionUsage, prediction_usage, with_prediction
 from .errors import InvalidRequestError, SpecdecError
 from .models import loader
 from .models.kv_cache import KVCache, resolve_kv_dtype
@@ -338,6 +339,7 @@ class Generation:
     finish_reason: str  # "stop" | "length"
     stats: Stats
     steps: list[Step]
+    prediction: PredictionUsage | None = None  # with a prediction: its accepted and rejected tokens
 
 
 class Output:
@@ -425,6 +427,12 @@ class Row:
     # A learned drafter's row: the prompt's final hidden states from the prefill's chunks so far.
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)
     grammar: object = None  # a `structured.GrammarState` at the committed tokens, or None
+    prediction: Prediction | None = None  # the request's predicted output, or None
+
+    @property
+    def prediction_usage(self) -> PredictionUsage | None:
+        """The prediction's accepted and rejected tokens (`drafters.prediction.prediction_usage`)."""
+        return None if self.prediction is None else prediction_usage(self.prediction.ids, self.out.ids)
 
     @property
     def context(self) -> list[int]:
@@ -557,7 +565,7 @@ class Engine:
             check_tree_drafter(drafter)
         # The tokenizer first: reading Gemma's 262k-token vocabulary peaks at ~0.5 GB of parser
         # temporaries, which are handed back before the weights arrive rather than on top of them.
-        folder = loader.resolve(target, progress)
+        folder = loader.resolve(target, progress, quantize if tensor_parallel == 1 else "none")
         config = loader.read_config(folder)  # a bad config fails before the tokenizer is read
         if tensor_parallel != 1:
             from .models.tensor_parallel import check_split
@@ -594,11 +602,14 @@ class Engine:
         speculative: bool = True,
         on_text=None,
         structured=None,
+        prediction: str | None = None,
     ) -> Generation:
         """Generate a continuation: a batch of one row through `prefill` and `step`.
         `on_text(delta)` receives text as it is produced (streaming). `structured`: a
         `StructuredSpec` or a one-key dict ({"json": schema}, {"regex": ...}, {"grammar": ...},
-        {"choice": [...]}, {"json_object": True}) the output must match."""
+        {"choice": [...]}, {"json_object": True}) the output must match. `prediction`: the text
+        the output is expected to be (mostly), drafted from where the output follows it
+        (`drafters/prediction.py`); `Generation.prediction` counts its accepted and rejected tokens."""
         ids = self.encode_prompt(prompt, prompt_ids)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequestError("max_new_tokens must be >= 1", "max_tokens")
@@ -607,8 +618,10 @@ class Engine:
         emit = on_text or (lambda delta: None)
         start = time.perf_counter()
         grammar = self.compile_structured(structured) if structured is not None else None
+        predicted = None if prediction is None else Prediction.of(prediction, self.tokenizer)
         row = self.new_row(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                           drafter=self.drafter if speculative else None, record_steps=True, grammar=grammar)
+                           drafter=self.drafter if speculative else None, record_steps=True, grammar=grammar,
+                           num_speculative_tokens=None if speculative else 0, prediction=predicted)
         row.started = start
         cache = self.new_cache(1, len(ids) + max_new_tokens + self.room(row) + 1)
         emit(self.prefill(row, cache).text)
@@ -619,7 +632,8 @@ class Engine:
                 raise emitted.error
             emit(emitted.text)
         self.finish(row)
-        return Generation(row.out.ids, row.out.text, row.out.finish_reason, row.stats, row.steps)
+        return Generation(row.out.ids, row.out.text, row.out.finish_reason, row.stats, row.steps,
+                          row.prediction_usage)
 
     # -- rows -------------------------------------------------------------------------------------
 
@@ -667,11 +681,15 @@ class Engine:
         logprobs: int | None = None,
         record_steps: bool = False,
         grammar=None,
+        prediction: Prediction | None = None,
+        prediction_k_max: int = policy.PREDICTION_K_MAX,
     ) -> Row:
         """A row for one request; drafter, k, tree and draft length default to the engine's.
 
         The drafter object is the row's own (per-request state): a server passes a `spawn()` of a
-        drafter loaded at start. k = 0 means no drafting.
+        drafter loaded at start. k = 0 means no drafting. With a `prediction`, the row drafts from
+        it first and with its drafter where it offers nothing (`prediction.with_prediction`), in
+        chains of up to `prediction_k_max` tokens under the cost rule.
         """
         sampling = sampling or SamplingParams()
         self.check_sampling(sampling)
@@ -680,6 +698,8 @@ class Engine:
         k = self.k if num_speculative_tokens is None else num_speculative_tokens
         if k == 0:
             drafter = None
+        elif prediction is not None and self.tokenizer is not None:
+            drafter = with_prediction(PredictionDrafter(prediction, self.tokenizer), drafter)
         if drafter is None or not drafter.needs.trees:
             tree = None
         fixed_k = not sampling.greedy and sampling.seed is not None
@@ -700,13 +720,14 @@ class Engine:
             # on its verdicts alone, or the same seed would give different text on another machine.
             rule_cost = policy.DraftCost(read_prior=read) if cost is not None and fixed_k else cost
             rule = policy.row_rule(length, k, model=self.model, verify_cost=self.verify_cost,
-                                   verify_overhead=self.verify_overhead, screened=screen, draft_cost=rule_cost)
+                                   verify_overhead=self.verify_overhead, screened=screen, draft_cost=rule_cost,
+                                   k_max=prediction_k_max if prediction is not None else None)
             control = policy.DraftController(drafter, rule, cost, fixed_k=fixed_k, tree=tree)
         eos = () if sampling.ignore_eos else self.model.config.eos_token_ids
         return Row(list(prompt_ids), Output(self.tokenizer, eos, list(stop), max_new_tokens),
                    sampling, make_generator(sampling.seed, self.device), drafter, control, tree,
                    Stats(prompt_tokens=len(prompt_ids)), screen, logprobs, [] if record_steps else None,
-                   grammar=grammar)
+                   grammar=grammar, prediction=prediction)
 
     def compile_structured(self, structured):
         """A fresh `structured.GrammarState` for a request's constraint (a spec or its dict form);
@@ -843,7 +864,7 @@ class Engine:
         return Emitted([first], text, logprobs)
 
     @torch.inference_mode()
-    def step(self, rows: list[Row], cache: KVCache, cap: int | None = None) -> StepReport:
+    def step(self, rows: list[Row], cache: KVCache, cap: int | list[int] | None = None) -> StepReport:
         """One decoding step for every row (unfinished, prefilled): rows[r] lives in cache row r.
         The phases and how a row's fault stays in its row: `step.py`.
 
@@ -851,8 +872,8 @@ class Engine:
         cache hit) and nothing emitted yet: the step scores that token in its block and emits its
         first token, what `prefill_last` would give, without a forward of its own.
 
-        `cap`: the batch's load cap on each row's draft length (`policy.LoadCap`); rows with a
-        fixed k (seeded sampling) ignore it.
+        `cap`: the batch's load cap on each row's draft length (`policy.LoadCap`), or one per row;
+        rows with a fixed k (seeded sampling) ignore it.
         """
         return step_phases.run(self, rows, cache, cap)
 

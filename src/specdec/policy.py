@@ -39,6 +39,10 @@ from .errors import InvalidRequestError
 from .verify import TokenTree
 
 DRAFT_LENGTHS = ("fixed", "adaptive", "cost")
+# The longest chain a row drafting from a prediction may grow to (`row_rule`'s k_max): where the
+# prediction has held, its acceptance estimate climbs and the cost rule wants tens of tokens (at an
+# acceptance of 0.99 and int4's verify cost, about 40), which a lookup's cap of a few would forbid.
+PREDICTION_K_MAX = 64
 # The cost-aware draft length's step-cost model, 1 + overhead + cost * k for a verify pass over k
 # drafts, in plain steps (see `CostAwareDraftLength`), fitted to timings of a pass over T tokens
 # against T = 1 (docs/archive/BENCHMARKS-history.md; int4: BENCHMARKS.md, "The cost of scoring T
@@ -427,21 +431,24 @@ class AskGate:
 
 
 def row_rule(draft_length: str, k: int, *, model=None, verify_cost: float | None = None,
-             verify_overhead: float | None = None, screened: bool = False, draft_cost: DraftCost | None = None):
+             verify_overhead: float | None = None, screened: bool = False, draft_cost: DraftCost | None = None,
+             k_max: int | None = None):
     """A fresh rule for one request: `fixed`, `adaptive` or `cost` (see the module docstring).
 
     `model` (the target) picks the default step prices; `screened`: greedy verification screens
-    its rows; `draft_cost`: the drafter's price per token (None for lookup drafters).
+    its rows; `draft_cost`: the drafter's price per token (None for lookup drafters); `k_max`:
+    the longest chain the cost and adaptive rules may grow to, when longer than k (a row drafting
+    from a prediction, `PREDICTION_K_MAX`); a fixed length stays k.
     """
     if draft_length == "adaptive":
-        return AdaptiveDraftLength(k, max(k, 16))
+        return AdaptiveDraftLength(k, max(k, 16, k_max or 0))
     if draft_length == "cost":
         kind = hardware_kind(model)
         overhead, cost = DEFAULT_VERIFY_COSTS[kind]
         cost = cost if verify_cost is None else verify_cost
         overhead = overhead if verify_overhead is None else verify_overhead
         share = SCREENED_SHARE.get(kind, 0.0) if screened else 0.0
-        return CostAwareDraftLength(k, cost, overhead, share, draft_cost=draft_cost)
+        return CostAwareDraftLength(max(k, k_max or 0), cost, overhead, share, draft_cost=draft_cost)
     return FixedDraftLength(k)
 
 

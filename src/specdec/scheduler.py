@@ -59,8 +59,10 @@ when its last chunk is in it joins the running rows where it is.
 Speculation under load (the known failure mode of speculative serving). Verifying draft tokens is
 almost free while a forward is bound by reading the weights, which is true for a few tokens per
 forward; once the batch alone fills the machine, every drafted token costs as much as a real one
-and rejected drafts are pure loss. Two rules cap how many tokens a row may draft per step, and
-the smaller cap wins (the request's own k and its remaining token allowance cap it further):
+and rejected drafts are pure loss. Each row sizes its drafts by the rule `generate` uses (the
+cost-aware draft length of its `policy.DraftController`, unless `draft_length` says otherwise),
+and two rules cap that per step over the batch, the smaller cap winning (the request's own k and
+its remaining token allowance cap it further):
 
 * the budget rule, a hard ceiling: a forward scores at most `spec_token_budget` tokens, so with n
   running sequences each may draft `max(0, spec_token_budget // n - 1)`. With the default budget
@@ -76,9 +78,15 @@ the smaller cap wins (the request's own k and its remaining token allowance cap 
   exploring: when recent steps all had one width (no slope to fit) it uses the ceiling for a
   while, and an acceptance rate learnt from a few bad drafts drifts back to its prior.
 
-A seeded sampled request keeps its k whatever the load: rejection sampling draws from the
-request's generator a number of times that depends on k, so changing k with the load would make
-the same seed give different text. Greedy requests are exact at any k, and unseeded ones promise
+A row drafting from a prediction (OpenAI's `prediction`, `drafters/prediction.py`) guesses long runs
+where the prediction holds: its chains may grow to `PREDICTION_K_MAX` (or the request's own k)
+under the cost rule, and its load cap is the token budget shared among the prediction rows alone,
+never less than the batch's (`row_caps`).
+
+A seeded sampled request ignores the load caps: rejection sampling draws from the request's
+generator a number of times that depends on k, so changing k with the load would make the same
+seed give different text (its rule prices drafts by fixed priors, never by timings, for the same
+reason). Greedy requests are exact at any k, and unseeded ones promise
 nothing, so they follow the rules.
 
 Greedy output is the same alone or in a batch: each row's logits depend only on its own tokens
@@ -90,6 +98,7 @@ near-tie may flip.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import queue
@@ -104,10 +113,11 @@ import torch
 from .drafters import NgramDrafter, SuffixDrafter
 from .drafters.base import Drafter, TreeShape
 from .drafters.combined import lookup_first
+from .drafters.prediction import Prediction, PredictionUsage, prediction_usage
 from .engine import Emitted, Engine, Row, Stats
 from .errors import Fault, InvalidRequestError, SpecdecError
 from .models.transformer import Transformer
-from .policy import GoodputModel, LoadCap
+from .policy import PREDICTION_K_MAX, GoodputModel, LoadCap, budget_ceiling
 from .prefix_cache import SHARED, Partition, PrefixCache
 from .sampling import SamplingParams
 from .step import TokenLogprob
@@ -179,6 +189,9 @@ class Request:
     cache_partition: Partition | None = SHARED
     tenant: str = ""  # who sent it (the server's metrics and access log); "" for the library
     request_id: str | None = None  # the id its caller knows it by (the server's access line); None: the handle's
+    # The output the caller expects, mostly (OpenAI's `prediction`): drafted from first; its
+    # accepted and rejected tokens come back in `Usage.prediction`.
+    prediction: Prediction | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +199,15 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens copied from the prefix cache (the request's own partition)
+    # With a prediction: (its ids, the output's ids), for `prediction`.
+    predicted: tuple[list[int], list[int]] | None = field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def prediction(self) -> PredictionUsage | None:
+        """The prediction's accepted and rejected tokens, worked out on first use, by whoever reads
+        them (difflib over both id lists takes up to a second for the longest predictions: not on
+        the scheduler's thread, nor on a server's event loop)."""
+        return None if self.predicted is None else prediction_usage(*self.predicted)
 
 
 @dataclass(frozen=True)
@@ -351,6 +373,7 @@ class BatchScheduler:
         prefix_cache_tokens: int = 0,
         on_finish: Callable[[Request, Delta], None] | None = None,
         kv_dtype: str = "auto",
+        draft_length: str | None = None,
     ):
         drafters = dict(drafters) if drafters is not None else serving_drafters()[0]
         if drafter not in drafters:
@@ -370,8 +393,9 @@ class BatchScheduler:
         cfg = model.config
         self.model = model
         self.tokenizer = tokenizer
-        # The decoding core; rows of the server draft a fixed k (capped by the load rules below).
-        self.engine = Engine(model, tokenizer, num_speculative_tokens=num_speculative_tokens, draft_length="fixed",
+        # The decoding core. Each row sizes its drafts by the rule `generate` uses (`draft_length`,
+        # None: the default, cost-aware), under the batch's load cap (below).
+        self.engine = Engine(model, tokenizer, num_speculative_tokens=num_speculative_tokens, draft_length=draft_length,
                              kv_dtype=kv_dtype)
         self.drafters = drafters
         self.draft_trees = draft_trees
@@ -389,7 +413,8 @@ class BatchScheduler:
         self.prefill_chunk = prefill_chunk  # 0: every prompt in one forward
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         # Room for the longest request plus the widest verify block written past its end.
-        room = max([self.k_max] + [shape.budget for shape in draft_trees.values()])
+        # A row drafting from a prediction may grow its chains to PREDICTION_K_MAX (or its own k).
+        room = max([self.k_max, PREDICTION_K_MAX] + [shape.budget for shape in draft_trees.values()])
         self.cache = self.engine.new_cache(max_batch, self.max_model_len + room + 1)
         for loaded in drafters.values():  # model drafters: one cache for all rows, drafting batched
             if loaded is not None:
@@ -414,6 +439,18 @@ class BatchScheduler:
     def k_cap(self, running: int) -> int:
         """How many tokens each of `running` sequences may draft this step (both rules)."""
         return self.load_cap.cap(running)
+
+    def row_caps(self, running: int) -> int | list[int]:
+        """The load cap of every running row: the batch's (`k_cap`), and for rows drafting from a
+        prediction, whose guesses are long runs where the prediction holds, the token budget shared
+        among those rows alone (never less than the batch's cap). Every row's block is padded to the
+        widest, so their long drafts are paid by the whole batch: the budget bounds that."""
+        cap = self.k_cap(running)
+        predicting = [seq.row.prediction is not None and seq.row.control is not None for seq in self._running]
+        if not any(predicting):
+            return cap
+        own = max(cap, budget_ceiling(self.spec_token_budget, sum(predicting)))
+        return [own if p else cap for p in predicting]
 
     @property
     def num_running(self) -> int:
@@ -452,10 +489,13 @@ class BatchScheduler:
         k = self.k if request.num_speculative_tokens is None else request.num_speculative_tokens
         loaded = self.drafters[name]
         drafter = loaded.spawn() if loaded is not None and k > 0 else None
+        # A prediction row's chains may grow to PREDICTION_K_MAX (its own acceptance per kind of
+        # guess decides), or to the request's own k where it gives one.
         row = self.engine.new_row(request.prompt_ids, max_new_tokens=request.max_new_tokens,
                                   sampling=request.sampling, stop=list(request.stop), drafter=drafter,
                                   num_speculative_tokens=k, draft_tree=self.draft_trees.get(name),
-                                  logprobs=request.logprobs, grammar=request.grammar)
+                                  logprobs=request.logprobs, grammar=request.grammar, prediction=request.prediction,
+                                  prediction_k_max=request.num_speculative_tokens or PREDICTION_K_MAX)
         seq = _Sequence(handle, time.perf_counter(), row)
         with self._lock:
             if self._stopping:
@@ -697,7 +737,7 @@ class BatchScheduler:
     def _decode_step(self) -> None:
         """One step of the core over every running row (cache rows [0, n))."""
         n = len(self._running)
-        report = self.engine.step([seq.row for seq in self._running], self.cache.rows(n), self.k_cap(n))
+        report = self.engine.step([seq.row for seq in self._running], self.cache.rows(n), self.row_caps(n))
         if self.goodput is not None:
             self.goodput.observe_step(n * report.width, report.forward_s)
             self.goodput.observe_drafts(report.drafted, report.accepted)
@@ -764,8 +804,9 @@ class BatchScheduler:
             ttft = seq.first_token - seq.arrival
             tpot = (now - seq.first_token) / (stats.new_tokens - 1) if stats.new_tokens > 1 else None
             timing = Timing(seq.admitted - seq.arrival, ttft, now - seq.arrival, tpot)
+        predicted = None if row.prediction is None else (row.prediction.ids, list(row.out.ids))
         delta = Delta(text, tokens or [], logprobs, reason,
-                      Usage(len(seq.request.prompt_ids), len(row.out.ids), seq.cached), stats, timing, error)
+                      Usage(len(seq.request.prompt_ids), len(row.out.ids), seq.cached, predicted), stats, timing, error)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         seq.handle._put(delta)
         if self.on_finish is not None:

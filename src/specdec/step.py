@@ -119,7 +119,7 @@ def log_probs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLo
             for i, (t, lp) in enumerate(zip(tokens, chosen))]
 
 
-def run(engine, rows: list, cache, cap: int | None) -> StepReport:
+def run(engine, rows: list, cache, cap: int | list[int] | None) -> StepReport:
     """`Engine.step`: the phases above, each row's faults kept to its row."""
     faults = Faults()
     blocks = propose(engine, rows, cap, faults)
@@ -152,12 +152,13 @@ def run(engine, rows: list, cache, cap: int | None) -> StepReport:
 # -- propose ---------------------------------------------------------------------------------------
 
 
-def propose(engine, rows: list, cap: int | None, faults: Faults) -> list[Block]:
+def propose(engine, rows: list, cap: int | list[int] | None, faults: Faults) -> list[Block]:
     """Each row's drafts: its plan (`Engine._plan`), then its proposal, rows whose drafters share a
     batch key (a draft model's or an EAGLE head's rows) in one call, one model forward per draft
     position. A lookup-first row looks up first; where it finds nothing, its learned part joins
     that batched call. A batched call that raises is retried row by row."""
-    plans = [faults.run(r, _plan, row, cap) for r, row in enumerate(rows)]
+    caps = cap if isinstance(cap, list) else [cap] * len(rows)
+    plans = [faults.run(r, _plan, row, caps[r]) for r, row in enumerate(rows)]
     batched = _propose_batched(rows, plans, faults)
     blocks = []
     for r, (row, plan) in enumerate(zip(rows, plans)):

@@ -148,6 +148,8 @@ def run(args) -> int:
     summaries = report.summarize(result)
     command = command_line(args)
     markdown = report.to_markdown(result, summaries, command)
+    if any(p.prediction is not None for p in prompts):
+        markdown += _edits_markdown(result, prompts, args.model)
     print(markdown, end="")
     if args.markdown:
         report.write_text(args.markdown, markdown)
@@ -156,6 +158,16 @@ def run(args) -> int:
     if args.plot:
         report.write_plot(args.plot, result, summaries)
     return 0
+
+
+def _edits_markdown(result, prompts, model: str) -> str:
+    """The edit tasks' results by changed-line fraction (`edits.to_markdown`)."""
+    from ..models import loader
+    from ..tokenizer import Tokenizer
+    from . import edits
+
+    tokenizer = Tokenizer.from_folder(loader.resolve(model))
+    return edits.to_markdown(result, prompts, tokenizer.decode) if tokenizer is not None else ""
 
 
 def _check_outputs(args) -> None:

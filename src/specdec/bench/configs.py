@@ -19,6 +19,8 @@ An option is `key=value` or a bare flag (`adaptive`). Examples::
                                confidence cut-off p_min is 0, off, unless given)
     eagle:k=5                  the shipped EAGLE head (eagle:head=DIR for another one)
     eagle:k=8:lookup=ngram     prompt lookup first, the EAGLE head where lookup finds nothing
+    ngram:prediction           a prompt's prediction first (`--tasks edits`: the code to change), then
+                               prompt lookup (any ngram, suffix, draft or eagle configuration takes the flag)
     plain:quantize=int8        the same target quantised (when Engine.load takes `quantize`)
     hf                         HF transformers generate, greedy, float32
     hf-lookup:k=10             HF prompt-lookup assisted generation (prompt_lookup_num_tokens)
@@ -53,15 +55,15 @@ DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 QUANTIZE_NAMES = ("none", "int8", "int4")
 KINDS: dict[str, tuple[str, dict[str, object]]] = {
     "plain": ("specdec", {"dtype": _DTYPE, "quantize": str}),
-    "ngram": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str,
+    "ngram": ("specdec", {"prediction": "flag", "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str,
                           "max_ngram": int, "min_ngram": int,
                           "dtype": _DTYPE, "quantize": str}),
-    "suffix": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "max_ngram": int, "min_ngram": int,
+    "suffix": ("specdec", {"prediction": "flag", "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "max_ngram": int, "min_ngram": int,
                            "dtype": _DTYPE, "quantize": str}),
-    "draft": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "model": str, "p_min": float,
+    "draft": ("specdec", {"prediction": "flag", "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "model": str, "p_min": float,
                           "lookup": str, "draft_quantize": str, "vocab": int, "window": int, "dtype": _DTYPE,
                           "quantize": str}),
-    "eagle": ("specdec", {"k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str, "head": str, "p_min": float,
+    "eagle": ("specdec", {"prediction": "flag", "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str, "head": str, "p_min": float,
                           "lookup": str, "dtype": _DTYPE, "quantize": str}),
     "hf": ("hf", {"dtype": _DTYPE}),
     "hf-lookup": ("hf", {"k": int, "n": int, "dtype": _DTYPE}),

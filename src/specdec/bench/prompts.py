@@ -11,6 +11,10 @@ as a group of its own.
 repetition real code has (the same identifiers, parallel branches, test cases of one shape), which
 is where lookup drafters are expected to pay.
 
+`edits` (`edits.py`): 28 pieces of the CPython standard library, each with a change to apply; the
+original code is each prompt's `prediction`, which configurations with the `prediction` flag draft
+from (issue 46's edit benchmark). Not part of `all`, which stays Spec-Bench and `code`.
+
 Selection is deterministic: N prompts per group, evenly spaced over the group in file order, so a
 small N still spans the group rather than taking its first few near-identical items.
 
@@ -33,13 +37,13 @@ from ..errors import InvalidRequestError
 
 SPEC_BENCH_GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-BUILTIN_GROUPS = ("code",)
+BUILTIN_GROUPS = ("code", "edits")
 DEFAULT_TASKS = "spec_bench"  # the six Spec-Bench groups
 DEFAULT_TEMPLATE = "Question: {prompt}\nAnswer:"
 # Aliases for --tasks: a name that stands for several groups.
 TASK_ALIASES = {
     "spec_bench": SPEC_BENCH_GROUPS,
-    "all": SPEC_BENCH_GROUPS + BUILTIN_GROUPS,
+    "all": SPEC_BENCH_GROUPS + ("code",),
     "none": (),
 }
 
@@ -53,6 +57,7 @@ class BenchPrompt:
     text: str | None = None
     ids: tuple[int, ...] | None = None
     chat: bool = False  # text is a user message, rendered with the target's chat template
+    prediction: str | None = None  # the expected output (`edits`: the code to change), for `:prediction` configs
 
 
 CODE_PROMPTS: tuple[str, ...] = (
@@ -237,6 +242,13 @@ def select_prompts(groups: list[str], per_group: int, spec_bench: Path | None,
         if group == "code":
             picked = spread(list(enumerate(CODE_PROMPTS)), per_group)
             prompts += [BenchPrompt(f"code-{i + 1}", "code", text=t) for i, t in picked]
+            continue
+        if group == "edits":  # `edits.py`: stdlib code to change, the code as the prediction
+            from .edits import edit_prompts
+
+            prompts += edit_prompts(per_group, template, chat,
+                                    lambda pid, text, as_chat, code: BenchPrompt(pid, "edits", text=text, chat=as_chat,
+                                                                                 prediction=code))
             continue
         cats = MT_BENCH_CATEGORIES if group == "mt_bench" else (group,)
         members = [r for r in rows if r.get("category") in cats]

@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidRequestError
-from .runner import BenchResult, Run
+from .common import BenchResult, Run
 
 ALL = "all"
 BOOTSTRAP_SAMPLES = 2000
@@ -317,17 +317,29 @@ def _decoding(st) -> str:
 
 
 def to_markdown(result: BenchResult, summaries: list[Summary], command: str | None = None) -> str:
-    st, m = result.settings, result.machine
+    """The report: how it was run, the headline, the table of every configuration, then the task
+    groups, the reference tree and acceptance by draft position where there are any."""
+    st = result.settings
     groups = list(dict.fromkeys(s.group for s in summaries if s.group != ALL))
     lines = ["## specdec bench", ""]
     if command:
         lines += [f"`{command}`", ""]
+    lines += _md_setup(result, groups) + _md_headline(result, summaries) + _md_table(summaries)
+    lines += _md_groups(summaries, groups) + _md_versus(result) + _md_positions(summaries)
+    lines += ["", f"Peak memory: {result.memory_kind} of the whole process (every loaded model counts)."
+              if not st.device.startswith("cuda") else f"Peak memory: {result.memory_kind}."]
+    return "\n".join(lines) + "\n"
+
+
+def _md_setup(result: BenchResult, groups: list[str]) -> list[str]:
+    """The bullet list: machine, model and decoding, what the figures mean, interruption, skips."""
+    st, m = result.settings, result.machine
     machine = f"{m.get('cpu') or '?'}, {m.get('cores')} cores, {m.get('torch_threads')} torch threads"
     if m.get("gpu"):
         machine += f", {m['gpu']}"
     versions = ", ".join(f"{k} {m[k]}" for k in ("torch", "transformers", "llama_cpp") if k in m)
     counts = {g: sum(1 for p in result.prompts if p.group == g) for g in groups}
-    lines += [
+    lines = [
         f"- machine: {machine}; {m.get('platform')}; {versions}; device {st.device}",
         f"- model: {st.model}; {_decoding(st)}; up to {st.max_tokens} new tokens; {len(result.prompts)} prompts "
         f"({', '.join(f'{g} {n}' for g, n in counts.items())}); {st.repeats} repeat(s), interleaved, "
@@ -344,16 +356,25 @@ def to_markdown(result: BenchResult, summaries: list[Summary], command: str | No
         lines.append(f"- **{result.interrupted}**")
     for label, why in result.skipped.items():
         lines.append(f"- skipped `{label}`: {why}")
+    return lines
+
+
+def _md_headline(result: BenchResult, summaries: list[Summary]) -> list[str]:
     head = headline(result, summaries)
-    if head:
-        parts = [f"{_f(head['vs_own_plain'], '.2f')}x{_interval(head['vs_own_plain_interval'])} its plain "
-                 f"(`{head['baseline']}`)"]
-        parts += [f"{r:.2f}x `{label}`" for label, r in head["vs_peers"].items()]
-        lines += ["", f"**Fastest specdec configuration: `{head['best']}`** at {head['tokens_per_s']:.1f} tokens/s: "
-                  + ", ".join(parts) + "."]
-    lines += ["", "| configuration | runs on | tokens/s | speedup | decode speedup | prefill share | bound | "
-              "mean acc. length | acc. rate | α | k | c | step cost | forwards/token | identical to plain | peak memory |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    if not head:
+        return []
+    parts = [f"{_f(head['vs_own_plain'], '.2f')}x{_interval(head['vs_own_plain_interval'])} its plain "
+             f"(`{head['baseline']}`)"]
+    parts += [f"{r:.2f}x `{label}`" for label, r in head["vs_peers"].items()]
+    return ["", f"**Fastest specdec configuration: `{head['best']}`** at {head['tokens_per_s']:.1f} tokens/s: "
+            + ", ".join(parts) + "."]
+
+
+def _md_table(summaries: list[Summary]) -> list[str]:
+    """One row per configuration over all prompts."""
+    lines = ["", "| configuration | runs on | tokens/s | speedup | decode speedup | prefill share | bound | "
+             "mean acc. length | acc. rate | α | k | c | step cost | forwards/token | identical to plain | peak memory |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for s in (s for s in summaries if s.group == ALL):
         lines.append(
             f"| `{s.config}` | {s.target} | {s.tokens_per_s:.1f} | {_f(s.speedup, '.2f')}x{_interval(s.speedup_interval)} | "
@@ -363,42 +384,58 @@ def to_markdown(result: BenchResult, summaries: list[Summary], command: str | No
             f"{_f(s.cost_ratio, '.3f')} | {_f(s.step_cost, '.2f')} | {_f(s.forwards_per_token, '.2f')} | "
             f"{_identity(s)} | "
             f"{_memory(s.peak_memory)} |")
-    if groups:
-        lines += ["", "Speedup by task group (bound in brackets), tokens/s below it:", "",
-                  "| configuration | " + " | ".join(groups + [ALL]) + " |",
-                  "|---|" + "---:|" * (len(groups) + 1)]
-        cell = {(s.config, s.group): s for s in summaries}
-        for label in dict.fromkeys(s.config for s in summaries):
-            row = []
-            for g in groups + [ALL]:
-                s = cell.get((label, g))
-                if s is None:
-                    row.append("–")
-                    continue
-                bound = f" ({s.bound:.2f}x)" if s.bound is not None else ""
-                row.append(f"{_f(s.speedup, '.2f')}x{bound}<br>{s.tokens_per_s:.1f}")
-            lines.append(f"| `{label}` | " + " | ".join(row) + " |")
+    return lines
+
+
+def _md_groups(summaries: list[Summary], groups: list[str]) -> list[str]:
+    """Speedup and tokens/s by task group, when the prompts have groups."""
+    if not groups:
+        return []
+    lines = ["", "Speedup by task group (bound in brackets), tokens/s below it:", "",
+             "| configuration | " + " | ".join(groups + [ALL]) + " |",
+             "|---|" + "---:|" * (len(groups) + 1)]
+    cell = {(s.config, s.group): s for s in summaries}
+    for label in dict.fromkeys(s.config for s in summaries):
+        row = []
+        for g in groups + [ALL]:
+            s = cell.get((label, g))
+            if s is None:
+                row.append("–")
+                continue
+            bound = f" ({s.bound:.2f}x)" if s.bound is not None else ""
+            row.append(f"{_f(s.speedup, '.2f')}x{bound}<br>{s.tokens_per_s:.1f}")
+        lines.append(f"| `{label}` | " + " | ".join(row) + " |")
+    return lines
+
+
+def _md_versus(result: BenchResult) -> list[str]:
+    """This tree against the reference tree, for ref@ / this@ pairs."""
     versus = versus_reference(result)
-    if versus:
-        lines += ["", f"Against the reference tree (`--ref-src {st.ref_src}`): this tree's tokens/s over the same "
-                  "configuration's there, with its 95% bootstrap interval over the prompts:", "",
-                  "| configuration | reference | tokens/s | reference tokens/s | new / reference | same tokens |",
-                  "|---|---|---:|---:|---:|---:|"]
-        for v in versus:
-            lines.append(f"| `{v.config}` | `{v.ref}` | {v.tokens_per_s:.1f} | {v.ref_tokens_per_s:.1f} | "
-                         f"{v.ratio:.3f}x{_interval3(v.interval)} | {v.identical}/{v.compared} |")
+    if not versus:
+        return []
+    lines = ["", f"Against the reference tree (`--ref-src {result.settings.ref_src}`): this tree's tokens/s over "
+             "the same configuration's there, with its 95% bootstrap interval over the prompts:", "",
+             "| configuration | reference | tokens/s | reference tokens/s | new / reference | same tokens |",
+             "|---|---|---:|---:|---:|---:|"]
+    for v in versus:
+        lines.append(f"| `{v.config}` | `{v.ref}` | {v.tokens_per_s:.1f} | {v.ref_tokens_per_s:.1f} | "
+                     f"{v.ratio:.3f}x{_interval3(v.interval)} | {v.identical}/{v.compared} |")
+    return lines
+
+
+def _md_positions(summaries: list[Summary]) -> list[str]:
+    """Acceptance by draft position, for the configurations that drafted."""
     spec = [s for s in summaries if s.group == ALL and s.acceptance_by_position]
-    if spec:
-        width = max(len(s.acceptance_by_position) for s in spec)
-        lines += ["", "Acceptance by draft position (accepted / drafted at that position):", "",
-                  "| configuration | " + " | ".join(str(i + 1) for i in range(width)) + " |",
-                  "|---|" + "---:|" * width]
-        for s in spec:
-            cells = [f"{a:.2f}" for a in s.acceptance_by_position] + ["–"] * (width - len(s.acceptance_by_position))
-            lines.append(f"| `{s.config}` | " + " | ".join(cells) + " |")
-    lines += ["", f"Peak memory: {result.memory_kind} of the whole process (every loaded model counts)."
-              if not st.device.startswith("cuda") else f"Peak memory: {result.memory_kind}."]
-    return "\n".join(lines) + "\n"
+    if not spec:
+        return []
+    width = max(len(s.acceptance_by_position) for s in spec)
+    lines = ["", "Acceptance by draft position (accepted / drafted at that position):", "",
+             "| configuration | " + " | ".join(str(i + 1) for i in range(width)) + " |",
+             "|---|" + "---:|" * width]
+    for s in spec:
+        cells = [f"{a:.2f}" for a in s.acceptance_by_position] + ["–"] * (width - len(s.acceptance_by_position))
+        lines.append(f"| `{s.config}` | " + " | ".join(cells) + " |")
+    return lines
 
 
 def to_json(result: BenchResult, summaries: list[Summary], command: str | None = None) -> dict:

@@ -40,86 +40,19 @@ import resource
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..errors import InvalidRequestError, SpecdecError
+from .common import BenchResult, PromptInfo, Run, Settings, load_progress, sync
 from .configs import (BenchConfig, counterparts, eagle_name, lookup_drafter, ref_load_options, target_key,
                       with_baselines)
+from .peers import load_peers
 from .prompts import BenchPrompt
 
 WARMUP_TOKENS = 16  # tokens per warm-up generation: enough to run the decode loop, cheap
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # --clock: what a run's seconds are
-
-
-@dataclass
-class Settings:
-    model: str = "default"
-    max_tokens: int = 128
-    dtype: str = "auto"  # the default target's; a configuration's dtype= overrides it
-    quantize: str = "none"
-    device: str = "cpu"
-    repeats: int = 1
-    warmup: int = 1
-    temperature: float = 0.0  # 0 = greedy
-    seed: int = 0  # sampled runs: prompt i of repeat r draws with seed + 1000 * r + i
-    ref_src: str | None = None  # another specdec tree, for ref@ configurations
-    clock: str = "wall"  # a key of CLOCKS
-
-
-@dataclass
-class Run:
-    """One generation of one configuration on one prompt."""
-
-    config: str
-    prompt_id: str
-    group: str
-    repeat: int
-    prompt_tokens: int
-    new_tokens: int
-    wall_s: float  # the whole generate call, prefill included (CPU seconds with clock="cpu")
-    token_ids: list[int]
-    peak_memory: int | None = None  # bytes: peak RSS during the run (CPU) or CUDA max allocated
-    # specdec only (None / 0 for peers, which do not expose them):
-    prefill_s: float | None = None
-    target_forwards: int | None = None  # prefill included
-    drafts: int = 0  # verify steps that had at least one draft token
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    tested_tokens: int = 0  # draft positions verified: the accepted ones + the first rejected one
-    accepted_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)
-    draft_s: float = 0.0  # time spent in the drafter's propose()
-    identical: bool | None = None  # output == its baseline's on the same prompt and repeat
-    first_divergence: int | None = None  # first differing token index when not identical
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-
-@dataclass
-class PromptInfo:
-    id: str
-    group: str
-    tokens: int
-
-
-@dataclass
-class BenchResult:
-    settings: Settings
-    configs: list[BenchConfig]  # baselines added, in run order
-    baselines: dict[str, str]  # configuration label -> its plain baseline's label
-    targets: dict[str, str]  # configuration label -> what it runs on, in words
-    prompts: list[PromptInfo]
-    runs: list[Run]
-    skipped: dict[str, str]  # configuration label -> why it did not run
-    memory_kind: str
-    machine: dict
-    interrupted: str | None = None  # set when Ctrl-C ended the run early
-    counterparts: dict[str, str] = field(default_factory=dict)  # ref@ label -> this tree's same configuration
 
 
 class MemoryProbe:
@@ -213,11 +146,6 @@ class TimedDrafter:
         return seconds
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 class SpecdecRunner:
     """A specdec configuration: an Engine around a shared target, with its own drafter."""
 
@@ -234,6 +162,7 @@ class SpecdecRunner:
         self.device = device
         self.engine = None
         self.drafter: TimedDrafter | None = None
+        self.predictions: dict[tuple[int, ...], str] = {}  # prompt ids -> its prediction (`:prediction`)
         self.new_pass()
 
     def new_pass(self) -> None:
@@ -251,11 +180,13 @@ class SpecdecRunner:
 
         if self.drafter is not None:
             self.drafter.take_seconds()
-        _sync(self.device)
+        sync(self.device)
         start = self.clock()
         sampling = SamplingParams(temperature=self.temperature, seed=self.seed) if self.temperature > 0 else SamplingParams()
-        gen = self.engine.generate(prompt_ids=list(ids), max_new_tokens=max_new, sampling=sampling)
-        _sync(self.device)
+        prediction = self.predictions.get(ids) if self.config.options.get("prediction") else None
+        gen = self.engine.generate(prompt_ids=list(ids), max_new_tokens=max_new, sampling=sampling,
+                                   prediction=prediction)
+        sync(self.device)
         wall = self.clock() - start
         s = gen.stats
         # Positions verified per step: every accepted draft token plus the first rejected one (the
@@ -367,146 +298,6 @@ def ref_source(path: str | None) -> Path:
                               "and in its src folder)", "ref_src")
 
 
-class HFRunner:
-    """HF transformers `generate`, greedy: plain, prompt lookup, or with an assistant model."""
-
-    clock = staticmethod(time.perf_counter)
-
-    def __init__(self, config: BenchConfig, model, eos_ids: list[int], device: str, assistant=None):
-        self.config = config
-        self.model = model
-        self.eos_ids = eos_ids
-        self.device = device
-        self.assistant = assistant
-
-    def new_pass(self) -> None:
-        pass  # HF's candidate generators keep no state across generate calls
-
-    def generate(self, ids: tuple[int, ...], max_new: int) -> Run:
-        from transformers import GenerationConfig
-
-        o = self.config.options
-        extra: dict = {}
-        if self.config.kind == "hf-lookup":
-            extra = {"prompt_lookup_num_tokens": o["k"], "max_matching_ngram_size": o["n"]}
-        elif self.config.kind == "hf-assist":
-            extra = {"num_assistant_tokens": o["k"],
-                     "num_assistant_tokens_schedule": "heuristic" if o.get("adaptive") else "constant"}
-        # A fresh config, not the model's: greedy, no sampling knobs, the same EOS set as specdec.
-        gc = GenerationConfig(do_sample=False, max_new_tokens=max_new, min_new_tokens=0,
-                              eos_token_id=self.eos_ids or None,
-                              pad_token_id=self.eos_ids[0] if self.eos_ids else 0, **extra)
-        inputs = torch.tensor([list(ids)], device=self.device)
-        kwargs = {"assistant_model": self.assistant} if self.assistant is not None else {}
-        _sync(self.device)
-        start = self.clock()
-        with torch.inference_mode():
-            out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=gc, **kwargs)
-            new = out[0, len(ids):].tolist()
-        wall = self.clock() - start
-        return Run(self.config.label, "", "", 0, len(ids), len(new), wall, new)
-
-
-class LlamaCppRunner:
-    """llama-cpp-python on a GGUF file, greedy: plain, or with its prompt-lookup drafter."""
-
-    clock = staticmethod(time.perf_counter)
-
-    def __init__(self, config: BenchConfig, gguf: Path, threads: int, n_ctx: int, eos_ids: list[int]):
-        import llama_cpp
-
-        o = config.options
-        kwargs = dict(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                      n_gpu_layers=0, verbose=False)
-        if config.kind == "llama-cpp-lookup":
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-            kwargs["draft_model"] = LlamaPromptLookupDecoding(max_ngram_size=o["n"], num_pred_tokens=o["k"])
-            # Drafting needs every position's logits; llama-cpp-python 0.3.x turns that on for a
-            # draft model but sizes its logits buffer from the argument, so a prompt longer than
-            # one batch overflows it unless the argument says so too.
-            kwargs["logits_all"] = True
-        self.config = config
-        self.llm = llama_cpp.Llama(**kwargs)
-        self.eos = set(eos_ids) | {int(self.llm.token_eos())}
-
-    def new_pass(self) -> None:
-        pass
-
-    def generate(self, ids: tuple[int, ...], max_new: int) -> Run:
-        # reset(): forget the previous prompt, so every run prefills its whole prompt (llama.cpp
-        # would otherwise reuse a cached common prefix, which the other configurations do not).
-        self.llm.reset()
-        new: list[int] = []
-        start = self.clock()
-        for token in self.llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
-                                       reset=True):
-            new.append(int(token))
-            if new[-1] in self.eos or len(new) >= max_new:
-                break
-        wall = self.clock() - start
-        return Run(self.config.label, "", "", 0, len(ids), len(new), wall, new)
-
-
-class LlamaSpeculativeRunner:
-    """llama.cpp's `llama-speculative` program (target + draft model, greedy), one process per run.
-
-    It takes text, so the prompt's ids go as their text with the special tokens spelled out (the
-    program parses them back); its own log gives the timings (prompt encoding + decoding, not the
-    model loads) and the draft counts. It prints text, not ids: the output is tokenised again with
-    the target's tokenizer, so identity with plain decoding is as exact as that round trip.
-    """
-
-    def __init__(self, config: BenchConfig, binary: str, gguf: Path, draft: Path, threads: int, n_ctx: int,
-                 tokenizer):
-        self.config, self.binary, self.gguf, self.draft = config, binary, gguf, draft
-        self.threads, self.n_ctx, self.tokenizer = threads, n_ctx, tokenizer
-
-    def new_pass(self) -> None:
-        pass
-
-    def command(self, prompt: str, max_new: int) -> list[str]:
-        t = str(self.threads)
-        return [self.binary, "-m", str(self.gguf), "-md", str(self.draft), "-p", prompt, "-n", str(max_new),
-                "-c", str(self.n_ctx), "-t", t, "-tb", t, "-td", t, "-tbd", t, "--spec-draft-n-max", str(self.config.k),
-                "--temp", "0", "--top-k", "1", "--seed", "0", "-ngl", "0", "-ngld", "0"]
-
-    def generate(self, ids: tuple[int, ...], max_new: int) -> Run:
-        import re
-        import subprocess
-
-        prompt = self.tokenizer.decode(list(ids), skip_special_tokens=False)
-        res = subprocess.run(self.command(prompt, max_new), capture_output=True, text=True, errors="replace")
-        log = res.stdout + "\n" + res.stderr
-        timing = {k: re.search(rf"{k}\s+(\d+) tokens in\s+([\d.]+) seconds", log) for k in ("encoded", "decoded")}
-        if res.returncode != 0 or None in timing.values():
-            tail = " | ".join(log.strip().splitlines()[-3:])
-            raise SpecdecError(f"{self.config.label}: llama-speculative failed (exit {res.returncode}): {tail}")
-        counts = {k: int(m.group(1)) for k in ("n_drafted", "n_accept") if (m := re.search(rf"{k}\s*=\s*(\d+)", log))}
-        # stdout: the prompt's pieces, then the output's, between blank lines.
-        text = res.stdout
-        start = text.find(prompt)
-        text = text[start + len(prompt):] if start >= 0 else text
-        text = text.split("\n\n\n", 1)[0].removesuffix("\n\n")
-        new = self.tokenizer.encode_plain(text) if text else []
-        decoded = int(timing["decoded"].group(1))
-        wall = float(timing["encoded"].group(2)) + float(timing["decoded"].group(2))
-        # It may overshoot -n by an accepted draft; its rate counts every token it decoded.
-        run = Run(self.config.label, "", "", 0, len(ids), decoded, wall, new[:max_new])
-        run.draft_tokens, run.accepted_tokens = counts.get("n_drafted", 0), counts.get("n_accept", 0)
-        return run
-
-
-def llama_speculative_binary(config: BenchConfig) -> str | None:
-    import os
-    import shutil
-
-    explicit = config.options.get("bin") or os.environ.get("SPECDEC_LLAMA_SPECULATIVE")
-    if explicit:
-        return explicit if Path(explicit).expanduser().is_file() else None
-    return shutil.which("llama-speculative")
-
-
 def canonical_dtype(device: str) -> Callable[..., str]:
     """(dtype name, quantisation) -> the torch dtype it resolves to on `device`, as a name ("auto" ->
     "float32")."""
@@ -557,23 +348,6 @@ def machine_info(device: str) -> dict:
     return info
 
 
-def _gguf_for(settings: Settings, config: BenchConfig) -> Path | None:
-    """The GGUF file a llama.cpp peer runs: model=PATH, else the target when it is a GGUF."""
-    from ..models import loader
-
-    from ..models import presets
-
-    if config.options.get("model"):
-        model = config.options["model"]
-        return presets.path(model) if presets.is_preset(model) else Path(model).expanduser()
-    if settings.model == "default":
-        return loader.default_model_path()
-    if presets.is_preset(settings.model):
-        return presets.path(settings.model)
-    path = Path(settings.model).expanduser()
-    return path if path.suffix.lower() == ".gguf" else None
-
-
 def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[BenchPrompt],
               progress: Callable[[str], None] | None = None, log: Callable[[str], None] | None = None,
               total: Callable[[int], None] | None = None) -> BenchResult:
@@ -619,14 +393,35 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
 def _run_bench(settings: Settings, configs: list[BenchConfig], baselines: dict[str, str],
                prompts: list[BenchPrompt], device: str, canon, ref_src: Path | None, runners: dict,
                progress, log, total) -> BenchResult:
-    from ..engine import Engine
-    from ..models import loader
-
-    sampled = settings.temperature > 0
-    # -- specdec targets: one load per (dtype, quantize), shared by every configuration on it ----
-    targets: dict[tuple, Engine] = {}
     described: dict[str, str] = {}
     skipped: dict[str, str] = {}
+    targets = _load_specdec(settings, configs, device, canon, ref_src, runners, described, log)
+    first = next(iter(targets.values()))
+    tokenizer, cfg = first.tokenizer, first.model.config
+    prompt_ids = _prompt_ids(settings, prompts, tokenizer, cfg)
+    infos = [PromptInfo(p.id, p.group, len(ids)) for p, ids in zip(prompts, prompt_ids)]
+    load_peers(settings, configs, device, canon, tokenizer, list(cfg.eos_token_ids), prompt_ids, runners, described,
+               skipped, log)
+    configs = [c for c in configs if c.label not in skipped]
+    baselines = {label: base for label, base in baselines.items() if label not in skipped}
+    probe = MemoryProbe(device)
+    runs, interrupted = _interleaved_runs(settings, [runners[c.label] for c in configs], prompts, prompt_ids, probe,
+                                          progress, log, total)
+    done = {r.prompt_id for r in runs}
+    if not settings.temperature > 0:  # greedy
+        compare_outputs(runs, baselines)
+    return BenchResult(settings, configs, baselines, described, [i for i in infos if i.id in done], runs, skipped,
+                       probe.kind, machine_info(device), interrupted, counterparts(configs))
+
+
+def _load_specdec(settings: Settings, configs: list[BenchConfig], device: str, canon, ref_src: Path | None,
+                  runners: dict, described: dict[str, str], log) -> dict:
+    """The runners of the specdec configurations (into `runners`) and what each runs on (into
+    `described`): one target load per (dtype, quantize), shared by every configuration on it, and
+    a worker per ref@ / this@ configuration; returns the loaded targets by (dtype, quantize)."""
+    from ..engine import Engine
+
+    targets: dict[tuple, Engine] = {}
     drafts: dict[tuple, tuple] = {}  # (path, dtype) -> (draft model, its tokenizer)
     for c in configs:
         if c.family != "specdec":
@@ -635,7 +430,7 @@ def _run_bench(settings: Settings, configs: list[BenchConfig], baselines: dict[s
         if key not in targets:
             log(f"loading the target {settings.model} ({key[0]}{', ' + key[1] if key[1] != 'none' else ''})")
             targets[key] = Engine.load(settings.model, drafter="none", device=device, dtype=key[0], quantize=key[1],
-                                       progress=_load_progress(log))
+                                       progress=load_progress(log))
         base = targets[key]
         described[c.label] = f"specdec {key[0]}" + (f" {key[1]}" if key[1] != "none" else "")
         runners[c.label] = SpecdecRunner(c, base.model, base.tokenizer, _drafter_factory(c, base, drafts, log),
@@ -647,10 +442,12 @@ def _run_bench(settings: Settings, configs: list[BenchConfig], baselines: dict[s
             runners[c.label] = RefRunner(c, src, settings.model, ref_load_options(c, key[0], key[1], device), log,
                                          settings.clock)
             described[c.label] = f"{runners[c.label].package} {key[0]}" + (f" {key[1]}" if key[1] != "none" else "")
-    first = next(iter(targets.values()))
-    tokenizer, cfg = first.tokenizer, first.model.config
+    return targets
 
-    # -- prompts -> token ids, checked before anything runs --------------------------------------
+
+def _prompt_ids(settings: Settings, prompts: list[BenchPrompt], tokenizer, cfg) -> list[tuple[int, ...]]:
+    """Every prompt as token ids, checked (vocabulary, a tokenizer for text, the context) before
+    anything runs."""
     prompt_ids: list[tuple[int, ...]] = []
     for p in prompts:
         if p.ids is not None:
@@ -670,69 +467,19 @@ def _run_bench(settings: Settings, configs: list[BenchConfig], baselines: dict[s
             raise InvalidRequestError(f"prompt {p.id} has {len(ids)} tokens: with --max-tokens {settings.max_tokens} "
                                       f"it exceeds the model's context of {cfg.max_position}", "prompts")
         prompt_ids.append(ids)
-    infos = [PromptInfo(p.id, p.group, len(ids)) for p, ids in zip(prompts, prompt_ids)]
+    return prompt_ids
 
-    # -- peers -------------------------------------------------------------------------------------
-    hf_models: dict[str, object] = {}
-    eos = list(cfg.eos_token_ids)
-    for c in configs:
-        if sampled and c.family != "specdec":
-            skipped[c.label] = "peers run greedy only here (their samplers differ from specdec's)"
-            log(f"skipping {c.label}: {skipped[c.label]}")
-            continue
-        if c.family == "hf":
-            dtype = canon(str(c.options.get("dtype", "float32")))
-            if dtype not in hf_models:
-                log(f"loading the HF transformers model ({dtype})")
-                hf_models[dtype] = _load_hf(loader.resolve(settings.model, _load_progress(log)), dtype, device)
-            assistant = None
-            if c.kind == "hf-assist":
-                log(f"loading the HF assistant model {c.options['model']} ({dtype})")
-                assistant = _load_hf(loader.resolve(c.options["model"], _load_progress(log)), dtype, device)
-            runners[c.label] = HFRunner(c, hf_models[dtype], eos, device, assistant)
-            described[c.label] = f"HF transformers {dtype}"
-        elif c.kind == "llama-spec":
-            binary = llama_speculative_binary(c)
-            gguf, draft = _gguf_for(settings, BenchConfig(c.label, "llama-cpp", {})), _gguf_for(settings, c)
-            why = None
-            if binary is None:
-                why = ("llama.cpp's llama-speculative program was not found (bin=PATH, $SPECDEC_LLAMA_SPECULATIVE "
-                       "or the PATH)")
-            elif gguf is None or draft is None or not gguf.is_file() or not draft.is_file():
-                why = "needs the target and the draft model as GGUF files"
-            elif tokenizer is None:
-                why = "needs the target's tokenizer"
-            if why:
-                skipped[c.label] = why
-                log(f"skipping {c.label}: {why}")
-                continue
-            threads = int(c.options.get("threads") or torch.get_num_threads())
-            n_ctx = max(len(ids) for ids in prompt_ids) + settings.max_tokens + c.k + 8
-            runners[c.label] = LlamaSpeculativeRunner(c, binary, gguf, draft, threads, n_ctx, tokenizer)
-            described[c.label] = f"llama.cpp llama-speculative {gguf.name} + {draft.name}"
-        elif c.family == "llama-cpp":
-            try:
-                import llama_cpp  # noqa: F401
-            except ImportError:
-                skipped[c.label] = "llama-cpp-python is not installed (pip install llama-cpp-python)"
-                log(f"skipping {c.label}: {skipped[c.label]}")
-                continue
-            gguf = _gguf_for(settings, c)
-            if gguf is None or not gguf.is_file():
-                skipped[c.label] = f"needs a GGUF file: add :model=PATH.gguf ({gguf or settings.model} is not one)"
-                log(f"skipping {c.label}: {skipped[c.label]}")
-                continue
-            threads = int(c.options.get("threads") or torch.get_num_threads())
-            n_ctx = max(len(ids) for ids in prompt_ids) + settings.max_tokens + max(c.k or 0, 16) + 8
-            log(f"loading llama.cpp on {gguf.name} ({threads} threads)")
-            runners[c.label] = LlamaCppRunner(c, gguf, threads, n_ctx, eos)
-            described[c.label] = f"llama.cpp {gguf.name}"
-    configs = [c for c in configs if c.label not in skipped]
-    baselines = {label: base for label, base in baselines.items() if label not in skipped}
 
-    # -- warm-up, then interleaved passes ----------------------------------------------------------
-    probe = MemoryProbe(device)
-    order = [runners[c.label] for c in configs]
+def _interleaved_runs(settings: Settings, order: list, prompts: list[BenchPrompt],
+                      prompt_ids: list[tuple[int, ...]], probe: MemoryProbe, progress, log,
+                      total) -> tuple[list[Run], str | None]:
+    """The warm-up, then `settings.repeats` passes of every runner in `order` on each prompt in
+    turn (the module docstring says why interleaved); returns the runs and, after Ctrl-C, a note
+    saying how far it got."""
+    sampled = settings.temperature > 0
+    for r in order:  # a `:prediction` configuration drafts from each prompt's prediction
+        if isinstance(r, SpecdecRunner):
+            r.predictions = {ids: p.prediction for p, ids in zip(prompts, prompt_ids) if p.prediction is not None}
     for r in order:
         if not isinstance(r, RefRunner):  # the worker was told its clock when it started
             r.clock = CLOCKS[settings.clock]
@@ -743,7 +490,6 @@ def _run_bench(settings: Settings, configs: list[BenchConfig], baselines: dict[s
             r.generate(prompt_ids[0], min(WARMUP_TOKENS, settings.max_tokens))
             progress(f"warm-up {r.config.label}")
     runs: list[Run] = []
-    interrupted = None
     try:
         for repeat in range(settings.repeats):
             for r in order:
@@ -774,11 +520,8 @@ def _run_bench(settings: Settings, configs: list[BenchConfig], baselines: dict[s
         runs = runs[:cut]
         if not runs:
             raise
-    done = {r.prompt_id for r in runs}
-    if not sampled:
-        compare_outputs(runs, baselines)
-    return BenchResult(settings, configs, baselines, described, [i for i in infos if i.id in done], runs, skipped,
-                       probe.kind, machine_info(device), interrupted, counterparts(configs))
+        return runs, interrupted
+    return runs, None
 
 
 def compare_outputs(runs: list[Run], baselines: dict[str, str]) -> None:
@@ -824,7 +567,7 @@ def _drafter_factory(c: BenchConfig, base, drafts: dict, log) -> Callable[[], ob
     key = (str(c.options["model"]), weight.dtype, quantize)
     if key not in drafts:
         log(f"loading the draft model {c.options['model']}{' (int8)' if quantize == 'int8' else ''}")
-        model, folder = loader.load(c.options["model"], weight.dtype, weight.device, _load_progress(log),
+        model, folder = loader.load(c.options["model"], weight.dtype, weight.device, load_progress(log),
                                     quantize=quantize)
         drafts[key] = (model, Tokenizer.from_folder(folder))
     model, tokenizer = drafts[key]
@@ -835,25 +578,3 @@ def _drafter_factory(c: BenchConfig, base, drafts: dict, log) -> Callable[[], ob
     if c.options.get("lookup"):  # prompt lookup first, the draft model where it finds nothing
         return lambda: lookup_first(lookup_drafter(c.options["lookup"], {}), drafter)
     return lambda: drafter
-
-
-def _load_hf(folder: Path, dtype: str, device: str):
-    try:
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-    except ImportError as exc:  # pragma: no cover - transformers is a dependency
-        raise SpecdecError(f"HF peers need transformers: {exc}") from exc
-    hf_logging.set_verbosity_error()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype))
-    except (OSError, ValueError) as exc:
-        raise SpecdecError(f"HF transformers cannot load {folder}: {exc}") from exc
-    return model.to(device).eval()
-
-
-def _load_progress(log):
-    def progress(done: int, total: int) -> None:
-        if done == 0:
-            log("converting the GGUF file once (later loads are fast)")
-
-    return progress

@@ -564,38 +564,43 @@ def propose_batch(drafters: list[EagleDrafter], contexts: list[list[int]], ks: l
     rows [lo, hi) that hold the batch; rows in that range that are not drafting get padding, and
     their lengths are put back after.
     """
-    model = drafters[0].model
-    device = drafters[0].device
-    cache = drafters[0]._pool.cache
     slots = [d._slot for d in drafters]
     lo, hi = min(slots), max(slots) + 1
-    view = cache.rows(hi, lo)
-    h = model.spec.hidden_size
+    view = drafters[0]._pool.cache.rows(hi, lo)
 
     def step(feeds: dict[int, tuple[Tensor, list[int], list[int]]]) -> dict[int, tuple[Tensor, Tensor]]:
-        """feeds: drafter index -> (features [T_i, h], tokens, positions): one head pass at each row's
-        length; per row (predicted feature of its last entry [1, 1, h], its logits [Vd])."""
-        lengths = view.lengths.clone()
-        width = max(len(t) for _, t, _ in feeds.values())
-        feats = torch.zeros(hi - lo, width, h, dtype=model.head_rows.dtype, device=device)
-        tokens = torch.zeros(hi - lo, width, dtype=torch.long, device=device)
-        positions = lengths[:, None] + torch.arange(width, device=device)[None]  # [rows, T]
-        for i, (f, toks, pos) in feeds.items():
-            r, t = slots[i] - lo, len(toks)
-            feats[r, :t] = f
-            tokens[r, :t] = torch.tensor(toks, device=device)
-            positions[r, :t] = torch.tensor(pos, device=device)
-            if t < width:  # padding after the real entries: causally invisible to them
-                positions[r, t:] = pos[-1] + 1 + torch.arange(width - t, device=device)
-        out_feats, logits = model.step(feats, tokens, positions, view)  # [rows, T, h], [rows, T, Vd]
-        view.lengths.copy_(lengths)
-        out = {}
-        for i, (_, toks, _) in feeds.items():
-            r, t = slots[i] - lo, len(toks)
-            view.lengths[r] += t
-            out[i] = (out_feats[r : r + 1, t - 1 : t], logits[r, t - 1])
-        return out
+        return _batched_pass(drafters[0], view, slots, lo, hi, feeds)
 
+    roots, feeds, committed = _batched_catch_up(drafters, contexts, ks)
+    if feeds:
+        roots.update(step(feeds))
+    state = {i: feat for i, (feat, _) in roots.items()}
+    drafted = {i: 0 for i in roots}
+
+    def advance(feed: dict[int, int]) -> dict[int, Tensor]:
+        # Autoregressive over its own features: entry n + j consumes (f^, draft token j).
+        for i in feed:
+            drafted[i] += 1
+        logits = {}
+        for i, (feat, lg) in step({i: (state[i][0], [t], [len(contexts[i]) + drafted[i] - 1])
+                                   for i, t in feed.items()}).items():
+            state[i], logits[i] = feat, lg
+        return logits
+
+    proposals = draft_rows(drafters, {i: lg for i, (_, lg) in roots.items()}, ks, advance)
+    for i in committed:
+        # Draft entries were built from predicted features: drop them (see `propose`).
+        drafters[i]._cache.truncate(committed[i])
+    return proposals
+
+
+def _batched_catch_up(drafters: list[EagleDrafter], contexts: list[list[int]], ks: list[int]):
+    """Bring each row's head entries up to its context (`ks` capped in place by the room left):
+    a long rebuild (a new request) runs on the row's own through `_sync`, and its root goes into
+    `roots`; a short one becomes a feed (features, tokens, positions) for the shared pass. Returns
+    (roots, feeds, committed): by drafter index, the root (feature, logits), the feed, and the head
+    cache length to roll back to after drafting."""
+    model = drafters[0].model
     roots: dict[int, tuple[Tensor, Tensor]] = {}
     feeds = {}
     committed = {}
@@ -622,26 +627,36 @@ def propose_batch(drafters: list[EagleDrafter], contexts: list[list[int]], ks: l
         d._cache.truncate(keep)
         feeds[i] = (d._feats[keep : n - 1], list(context[keep + 1 :]), list(range(keep + 1, n)))
         committed[i] = n - 1
-    if feeds:
-        roots.update(step(feeds))
-    state = {i: feat for i, (feat, _) in roots.items()}
-    drafted = {i: 0 for i in roots}
+    return roots, feeds, committed
 
-    def advance(feed: dict[int, int]) -> dict[int, Tensor]:
-        # Autoregressive over its own features: entry n + j consumes (f^, draft token j).
-        for i in feed:
-            drafted[i] += 1
-        logits = {}
-        for i, (feat, lg) in step({i: (state[i][0], [t], [len(contexts[i]) + drafted[i] - 1])
-                                   for i, t in feed.items()}).items():
-            state[i], logits[i] = feat, lg
-        return logits
 
-    proposals = draft_rows(drafters, {i: lg for i, (_, lg) in roots.items()}, ks, advance)
-    for i in committed:
-        # Draft entries were built from predicted features: drop them (see `propose`).
-        drafters[i]._cache.truncate(committed[i])
-    return proposals
+def _batched_pass(first: EagleDrafter, view, slots: list[int], lo: int, hi: int,
+                  feeds: dict[int, tuple[Tensor, list[int], list[int]]]) -> dict[int, tuple[Tensor, Tensor]]:
+    """One head pass over the pool rows [lo, hi) (`view`), each fed row at its own length. feeds:
+    drafter index -> (features [T_i, h], tokens, positions); returns per fed row (the predicted
+    feature of its last entry [1, 1, h], its logits [Vd]). Rows not fed keep their lengths."""
+    model, device = first.model, first.device
+    h = model.spec.hidden_size
+    lengths = view.lengths.clone()
+    width = max(len(t) for _, t, _ in feeds.values())
+    feats = torch.zeros(hi - lo, width, h, dtype=model.head_rows.dtype, device=device)
+    tokens = torch.zeros(hi - lo, width, dtype=torch.long, device=device)
+    positions = lengths[:, None] + torch.arange(width, device=device)[None]  # [rows, T]
+    for i, (f, toks, pos) in feeds.items():
+        r, t = slots[i] - lo, len(toks)
+        feats[r, :t] = f
+        tokens[r, :t] = torch.tensor(toks, device=device)
+        positions[r, :t] = torch.tensor(pos, device=device)
+        if t < width:  # padding after the real entries: causally invisible to them
+            positions[r, t:] = pos[-1] + 1 + torch.arange(width - t, device=device)
+    out_feats, logits = model.step(feats, tokens, positions, view)  # [rows, T, h], [rows, T, Vd]
+    view.lengths.copy_(lengths)
+    out = {}
+    for i, (_, toks, _) in feeds.items():
+        r, t = slots[i] - lo, len(toks)
+        view.lengths[r] += t
+        out[i] = (out_feats[r : r + 1, t - 1 : t], logits[r, t - 1])
+    return out
 
 
 def make_eagle_drafter(name: str, target: Transformer, draft_p_min: float | None = None) -> EagleDrafter:

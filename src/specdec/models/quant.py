@@ -140,31 +140,51 @@ class Int8Linear(Layer):
         return cls.from_int8(torch.cat([p.int8_weight() for p in parts]),
                              torch.cat([p.weight_scale for p in parts]), bias)
 
+    @classmethod
+    def from_stored(cls, q: Tensor, scale4: Tensor, shape: tuple[int, int], row_blocks: bool,
+                    bias: Tensor | None = None) -> "Int8Linear":
+        """The layer over a table exactly as the compiled kernels read it (`_q`, `_scale4` and
+        `_row_blocks` of a layer made here): what the kernel-layout cache (`mapped.py`) stores, so a
+        load pads and packs nothing. `shape` = (N, K)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._adopt(q, scale4, scale4[: shape[0]], shape, row_blocks, bias)
+        layer._packed = None
+        return layer
+
     def _setup(self, q: Tensor, scale: Tensor, bias: Tensor | None) -> None:
         if not cpu_int8_available():
             raise RuntimeError("int8 linears need PyTorch's fbgemm CPU backend")
-        self.out_features, self.in_features = n, k = q.shape
-        self.register_buffer("weight_scale", scale, persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        n, k = q.shape
         kernels = cpu_kernels.load()
         # The compiled kernels read the int8 rows zero-padded to [ceil4(N), ceil16(K)] (a padded
         # input or output changes no sum), or, in builds with AVX-512 VNNI, to [ceil16(N), ceil16(K)]
         # and packed in blocks of 16 rows (cpu_kernels.cpp, `int8_pack`; read back by `stored_rows`).
         # `q` itself may be packed in place: it is this layer's from here on.
-        self._q: Tensor | None = None
-        self._scale4 = scale  # the scales, padded as the rows
-        self._row_blocks = False  # whether `_q` is packed
+        stored, scale4, row_blocks = None, scale, False
         if kernels is not None:
             rows = kernels.int8_row_multiple()
             n_pad, k16 = -(-n // rows) * rows, -(-k // 16) * 16
-            self._q = q if (n_pad, k16) == (n, k) else F.pad(q, (0, k16 - k, 0, n_pad - n))
-            self._scale4 = scale if n_pad == n else F.pad(scale, (0, n_pad - n))
+            stored = q if (n_pad, k16) == (n, k) else F.pad(q, (0, k16 - k, 0, n_pad - n))
+            scale4 = scale if n_pad == n else F.pad(scale, (0, n_pad - n))
             if kernels.int8_packed():
-                self._q, self._row_blocks = kernels.int8_pack(self._q.contiguous()), True
+                stored, row_blocks = kernels.int8_pack(stored.contiguous()), True
+        self._adopt(stored, scale4, scale, (n, k), row_blocks, bias)
         # fbgemm's kernel (weights packed with unit scales, so that its float sums are the exact
         # integers): the PyTorch path's product, packed here only where the compiled kernels are
         # missing (`_fbgemm` packs it on first use for the reference).
         self._packed = None if kernels is not None else _pack_unit_scales(q)
+
+    def _adopt(self, stored: Tensor | None, scale4: Tensor, scale: Tensor, shape: tuple[int, int], row_blocks: bool,
+               bias: Tensor | None) -> None:
+        """Take the kernels' table `stored` (None without the compiled kernels), the scales padded
+        as its rows (`scale4`) and as many as the outputs (`scale`)."""
+        self.out_features, self.in_features = shape
+        self.register_buffer("weight_scale", scale, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self._q: Tensor | None = stored
+        self._scale4 = scale4  # the scales, padded as the rows
+        self._row_blocks = row_blocks  # whether `_q` is packed
         guard = torch.zeros(1, self.in_features)
         guard[0, 0], guard[0, -1] = -float(_LEVELS + 1), float(_LEVELS)
         self.register_buffer("_guard", guard, persistent=False)
@@ -385,13 +405,24 @@ class Int4Linear(Int8Linear):
         bias = None if parts[0].bias is None else torch.cat([p.bias.data for p in parts])
         return cls.from_parts(q, a, b, (n, parts[0].in_features), bias)
 
+    @classmethod
+    def from_packed(cls, packed: Tensor, shape: tuple[int, int], bias: Tensor | None = None) -> "Int4Linear":
+        """The layer over a table `int4_pack` made (what the kernel-layout cache stores, `mapped.py`)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._adopt_int4(packed, shape, bias)
+        return layer
+
     def _setup_int4(self, q: Tensor, a: Tensor, b: Tensor, shape: tuple[int, int], bias: Tensor | None) -> None:
         kernels = cpu_kernels.load()
         if kernels is None:
             raise RuntimeError("int4 linears need the compiled CPU kernels (cpu_kernels.py)")
+        self._adopt_int4(kernels.int4_pack(q, a, b), shape, bias)
+
+    def _adopt_int4(self, packed: Tensor, shape: tuple[int, int], bias: Tensor | None) -> None:
         self.out_features, self.in_features = shape
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        self._q = kernels.int4_pack(q, a, b)
+        self._q = packed
         self._scale4 = None  # the steps and offsets live in `_q`
         self._row_blocks = True
         self._packed = None
@@ -565,7 +596,7 @@ def _alone_on_huge_pages(nbytes: int) -> bool:
 _TABLE_ALIGN = 256  # bytes: each table of the shared one starts on a fresh run of cache lines
 
 
-def gather_small_tables(model: nn.Module) -> int:
+def gather_small_tables(model: nn.Module, fill=None) -> int:
     """Move the weight tables (`_q` of the int8 and 4-bit linears) that would not lie on huge pages
     of their own (`_alone_on_huge_pages`: those under 1 MiB, and those under 2 MiB that are not
     rounded up to a whole huge page) into one shared table on huge pages; returns how many moved.
@@ -576,6 +607,8 @@ def gather_small_tables(model: nn.Module) -> int:
     stream on huge pages too (where they add up to 1 MiB or more). Only where the bytes lie changes:
     each module's `_q` becomes a view of the shared table with the same values. Done right after
     quantising, before any forward has remembered a layer's tables (`Block._kernel_parts`).
+    `fill(table, place)` puts a table's bytes in its place (default: a copy; the kernel-layout
+    cache reads them from its file, `mapped.py`).
     """
     kernels = cpu_kernels.load()
     if kernels is None:
@@ -595,7 +628,10 @@ def gather_small_tables(model: nn.Module) -> int:
     for module, size in zip(small, sizes):
         q = module._q
         view = table[offset : offset + q.numel() * q.element_size()].view(q.dtype).view(q.shape)
-        view.copy_(q)
+        if fill is None:
+            view.copy_(q)
+        else:
+            fill(q, view)
         module._q = view
         offset += size
     return len(small)

@@ -52,6 +52,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..drafters.base import TreeShape
+from ..drafters.prediction import Prediction
 from ..errors import Fault, InvalidRequestError, SpecdecError
 from ..models.transformer import Transformer
 from ..sampling import SamplingParams
@@ -79,6 +80,7 @@ class ServerSettings:
     draft_p_min: float | None = None  # a draft model's confidence cut-off (None: its default)
     draft_vocab: int | None = None  # a draft model's kept ids (FR-Spec; None: all)
     num_speculative_tokens: int = 5
+    draft_length: str | None = None  # each row's draft-length rule, as generate's (None: cost-aware)
     max_batch: int = 16
     max_queue: int = 64
     max_model_len: int = 2048
@@ -205,7 +207,7 @@ def create_app(settings: ServerSettings,
                 prefix_cache_tokens=settings.prefix_cache_tokens,
                 max_speculative_tokens=max(16, settings.num_speculative_tokens),
                 adaptive=settings.speculation_control == "goodput", on_finish=state.finished,
-                kv_dtype=settings.kv_dtype)
+                kv_dtype=settings.kv_dtype, draft_length=settings.draft_length)
             state.tokenizer = tokenizer
             state.scheduler = scheduler
             state.apply_shares()
@@ -290,8 +292,10 @@ def create_app(settings: ServerSettings,
         await state.gate.acquire(tenant)
         try:
             ids = await asyncio.to_thread(tokenize)
-            # Off the loop too: compiling a grammar may take its whole work budget (seconds).
-            gen = await asyncio.to_thread(gen_request, body, ids, max_tokens, logprobs, scheduler, constraint)
+            # Off the loop too: compiling a grammar may take its whole work budget (seconds), and
+            # tokenising a prediction is as long as its text.
+            gen = await asyncio.to_thread(lambda: gen_request(body, ids, max_tokens, logprobs, scheduler,
+                                                              prediction_of(body), constraint))
             gen = dataclasses.replace(gen, tenant=tenant.name, request_id=request.scope["specdec.access"].id,
                                       cache_partition=cache_partition(settings.cache_salt, tenant, body.cache_salt))
             handle = scheduler.submit(gen, asyncio.get_running_loop())
@@ -339,8 +343,13 @@ def create_app(settings: ServerSettings,
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{settings.served_model_name!r}", "invalid_request_error", "model", "model_not_found")
 
+    def prediction_of(body: _Sampling) -> Prediction | None:
+        """The request's prediction tokenised on its own (off the event loop), or None."""
+        text = body.prediction_text
+        return None if text is None else Prediction.of(text, state.tokenizer)
+
     def gen_request(body: _Sampling, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None,
-                    scheduler: BatchScheduler, constraint=None) -> GenRequest:
+                    scheduler: BatchScheduler, prediction: Prediction | None = None, constraint=None) -> GenRequest:
         if max_tokens is None:
             max_tokens = max(1, scheduler.max_model_len - len(prompt_ids))
         sampling = SamplingParams(body.temperature, max(0, body.top_k), body.top_p, body.min_p, body.seed,
@@ -355,7 +364,8 @@ def create_app(settings: ServerSettings,
             drafter, k = body.speculative.drafter, body.speculative.num_tokens
         spec = body.structured if constraint is None else constraint  # a tool turn's (toolapi.tool_turn)
         grammar = scheduler.engine.compile_structured(spec) if spec is not None else None
-        return GenRequest(prompt_ids, max_tokens, sampling, body.stop_list, drafter, k, logprobs, grammar)
+        return GenRequest(prompt_ids, max_tokens, sampling, body.stop_list, drafter, k, logprobs, grammar,
+                          prediction=prediction)
 
     def text_ids(text: str, param: str) -> list[int]:
         if not text:
@@ -441,7 +451,7 @@ def create_app(settings: ServerSettings,
             result = RequestHandle.collect(done)
             return {**base, "choices": [{"index": 0, "text": result.text, "logprobs": logprobs_of(result.logprobs, 0),
                                          "finish_reason": result.finish_reason}],
-                    "usage": usage_dict(result.usage)}
+                    "usage": await usage_of(result.usage)}
 
         async def events():
             offset = 0
@@ -459,7 +469,7 @@ def create_app(settings: ServerSettings,
                     yield sse(chunk)
                     offset += len(delta.text)
                 if delta.finish_reason and body.include_usage:
-                    yield sse({**base, "choices": [], "usage": usage_dict(delta.usage)})
+                    yield sse({**base, "choices": [], "usage": await usage_of(delta.usage)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -508,7 +518,7 @@ def create_app(settings: ServerSettings,
             return {**base, "object": "chat.completion",
                     "choices": [{"index": 0, "message": message,
                                  "logprobs": logprobs_of(result.logprobs), "finish_reason": finish}],
-                    "usage": usage_dict(result.usage)}
+                    "usage": await usage_of(result.usage)}
 
         async def events():
             head = {**base, "object": "chat.completion.chunk"}
@@ -536,7 +546,7 @@ def create_app(settings: ServerSettings,
                     yield sse({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
                                                     "finish_reason": finish}], **extra})
                     if body.include_usage:
-                        yield sse({**head, "choices": [], "usage": usage_dict(delta.usage)})
+                        yield sse({**head, "choices": [], "usage": await usage_of(delta.usage)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -606,10 +616,18 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+async def usage_of(usage) -> dict:
+    """`usage_dict` worked out off the event loop (its prediction counts run difflib)."""
+    return await asyncio.to_thread(usage_dict, usage)
+
+
 def usage_dict(usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+            **({} if usage.prediction is None else {"completion_tokens_details": {
+                "accepted_prediction_tokens": usage.prediction.accepted,
+                "rejected_prediction_tokens": usage.prediction.rejected}})}
 
 
 def note(access, delta: Delta) -> None:

@@ -30,6 +30,11 @@ MAX_STOP = 16
 MAX_TOKEN_ID_DIGITS = 9
 MAX_TOP_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 256  # a salt is a secret of a few dozen characters; 256 leaves room
+# A prediction is the text an edit starts from (a file): 64k characters is a long source file, and
+# bounds the tokenising and the matching of its tokens with the output (`prediction_usage`).
+MAX_PREDICTION_CHARS = 65536
+_PREDICTION_SHAPE = ('prediction must be {"type": "content", "content": a string or a list of '
+                     '{"type": "text", "text": ...}}')
 
 
 def _whole_number(value: object) -> object:
@@ -99,7 +104,6 @@ _CHAT_NOT_IMPLEMENTED = {
     "documents": ((), "documents are not supported"),
     "modalities": ((["text"],), "only text output is supported"),
     "audio": ((), "audio output is not supported"),
-    "prediction": ((), "predicted outputs are not supported"),
     "reasoning_effort": ((), "reasoning_effort is not supported"),
     "web_search_options": ((), "web search is not supported"),
     "mm_processor_kwargs": ((), "multimodal input is not supported"),
@@ -186,10 +190,20 @@ class _Sampling(_Strict):
     # routing hint: accepted; cached prefixes never cross tenants whatever it says.
     cache_salt: Text | None = None
     prompt_cache_key: Text | None = None
+    # OpenAI's predicted output: {"type": "content", "content": text or text parts} (`prediction_text`).
+    prediction: Any = None
 
     _not_implemented: ClassVar[dict[str, tuple[tuple, str]]] = _COMMON_NOT_IMPLEMENTED
 
     def checked(self) -> "_Sampling":
+        if self.prediction is not None:
+            if self.n != 1:
+                raise InvalidRequestError("prediction: only with n = 1", "prediction", "unsupported_value")
+            # getattr: chat declares `tools` (toolapi); an undeclared field is an extra attribute.
+            if any(getattr(self, name, None) not in (None, []) for name in ("tools", "functions")):
+                raise InvalidRequestError("prediction cannot be combined with tools (as in OpenAI's API)",
+                                          "prediction", "unsupported_parameter")
+            self.prediction_text  # noqa: B018 (a malformed prediction is a 400 here)
         if self.n != 1:
             raise InvalidRequestError("only n = 1 is supported", "n", "unsupported_value")
         for key, value in (self.logit_bias or {}).items():
@@ -253,6 +267,30 @@ class _Sampling(_Strict):
             raise InvalidRequestError(f"one output constraint per request, got {', '.join(f.param for f in found)}",
                                       found[1].param)
         return found[0] if found else None
+
+    @property
+    def prediction_text(self) -> str | None:
+        """The predicted output's text (its parts joined), or None; a 400 naming `prediction` for a
+        wrong type or shape, a lone surrogate, or more than MAX_PREDICTION_CHARS characters."""
+        p = self.prediction
+        if p is None:
+            return None
+        if not isinstance(p, dict) or p.get("type") != "content" or set(p) != {"type", "content"}:
+            raise InvalidRequestError(_PREDICTION_SHAPE, "prediction")
+        content = p["content"]
+        if isinstance(content, list) and all(isinstance(part, dict) and set(part) == {"type", "text"}
+                                             and part["type"] == "text" and isinstance(part["text"], str)
+                                             for part in content):
+            content = "".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise InvalidRequestError(_PREDICTION_SHAPE, "prediction.content")
+        if len(content) > MAX_PREDICTION_CHARS:
+            raise InvalidRequestError(f"prediction: at most {MAX_PREDICTION_CHARS} characters, got {len(content)}",
+                                      "prediction.content")
+        try:
+            return _unicode_text(content)
+        except ValueError as exc:
+            raise InvalidRequestError(f"prediction.content {exc}", "prediction.content") from None
 
     @property
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:

@@ -220,7 +220,7 @@ def build(args: dict[str, str]):
     are `specdec serve`'s options without the leading dashes."""
     import argparse
 
-    from .cli import add_arguments, settings_from_args
+    from .options import add_arguments, settings_from_args
 
     parser = argparse.ArgumentParser(prog="serve run specdec.server.ray_app:build", add_help=False)
     add_arguments(parser)
@@ -255,7 +255,7 @@ def run(args, settings: ServerSettings) -> int:
     import ray
 
     from ..errors import ModelLoadError
-    from .cli import bind
+    from .options import bind
 
     options = replica_arguments(args)
     deployment_options(settings=settings, **options)  # bad bounds: one error before Ray starts
