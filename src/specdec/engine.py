@@ -734,7 +734,8 @@ class Engine:
         an InvalidRequestError for a bad one, or when the grammar engine is not installed."""
         from . import structured as st
 
-        spec = st.StructuredSpec.of(structured)
+        # A tool call's constraint (`tools.ToolConstraint`) compiles itself on the same tokens.
+        spec = structured if hasattr(structured, "compile") else st.StructuredSpec.of(structured)
         try:
             import llguidance  # noqa: F401
         except ImportError:
@@ -749,6 +750,8 @@ class Engine:
                 raise InvalidRequestError(str(exc), spec.param) from None
             self._grammar_tokens = st.GrammarTokens(backend, self.model.config.vocab_size,
                                                     self.model.config.eos_token_ids, spec.param)
+        if hasattr(spec, "compile"):
+            return spec.compile(self._grammar_tokens)
         return st.compile_spec(spec, self._grammar_tokens)
 
     def check_sampling(self, sampling: SamplingParams) -> None:

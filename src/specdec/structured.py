@@ -142,8 +142,9 @@ class GrammarTokens:
         self.usable[self.eos_ids] = True
 
 
-def compile_spec(spec: StructuredSpec, tokens: GrammarTokens) -> "GrammarState":
-    """A fresh `GrammarState` for `spec`; a 400 for anything that cannot constrain a generation."""
+def compile_spec(spec: StructuredSpec, tokens: GrammarTokens, allow: tuple[int, ...] = ()) -> "GrammarState":
+    """A fresh `GrammarState` for `spec`; a 400 for anything that cannot constrain a generation.
+    `allow`: special token ids the grammar names itself (`<[id]>`), which its masks may hold."""
     from llguidance import LLMatcher
 
     grammar = spec.grammar()
@@ -155,7 +156,7 @@ def compile_spec(spec: StructuredSpec, tokens: GrammarTokens) -> "GrammarState":
         reason = " ".join(matcher.get_error().split())
         raise InvalidRequestError(f"{spec.param}: the grammar engine refuses it: {reason[:500]}",
                                   spec.param)
-    state = GrammarState(matcher, tokens, spec.param)
+    state = GrammarState(matcher, tokens, spec.param, allow)
     first = state._mask()
     eos = torch.zeros_like(first)
     eos[tokens.eos_ids] = True
@@ -174,10 +175,15 @@ def compile_spec(spec: StructuredSpec, tokens: GrammarTokens) -> "GrammarState":
 class GrammarState:
     """One request's matcher at its committed tokens (see the module docstring)."""
 
-    def __init__(self, matcher, tokens: GrammarTokens, param: str = "structured_outputs"):
+    def __init__(self, matcher, tokens: GrammarTokens, param: str = "structured_outputs", allow: tuple[int, ...] = ()):
         self.matcher = matcher
         self.tokens = tokens
         self.param = param
+        self.allow = allow
+        self.usable = tokens.usable
+        if allow:
+            self.usable = tokens.usable.clone()
+            self.usable[list(allow)] = True
 
     def _gave_up(self) -> InvalidRequestError:
         """The request's grammar went past the engine's work budget (`_limits`) while generating:
@@ -195,7 +201,7 @@ class GrammarState:
             raise self._gave_up()
         allowed = torch.zeros(self.tokens.vocab, dtype=torch.bool)
         allowed[: raw.shape[0]] = raw > 0
-        allowed &= self.tokens.usable
+        allowed &= self.usable
         if not allowed.any():
             allowed[self.tokens.eos_ids] = True
         return allowed

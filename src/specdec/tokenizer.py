@@ -174,12 +174,13 @@ class Tokenizer:
         return None if self._tok is None else getattr(self._tok, "chat_template", None) or None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
         """Token ids of `messages` rendered by the model's chat template.
 
         By default ready for the reply (`add_generation_prompt`); with `continue_final_message` the
         rendering stops right after the last message's text, so the model continues that message
-        (the two exclude each other, as in transformers).
+        (the two exclude each other, as in transformers). `tools`: function tools in OpenAI's
+        request shape, for the template to show the model (`tools.ToolSet.template_tools`).
         """
         if not self.chat_template:
             raise InvalidRequestError("this model's tokenizer has no chat template: use /v1/completions",
@@ -195,7 +196,7 @@ class Tokenizer:
 
         try:
             text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message)
+                                                 continue_final_message=continue_final_message, tools=tools or None)
         except TemplateError as exc:  # the template's own raise_exception(...): roles out of order, ...
             raise InvalidRequestError(f"the chat template rejects these messages: {exc}", "messages") from None
         except ValueError as exc:  # continue_final_message when the template drops the final text

@@ -63,6 +63,7 @@ from ..tokenizer import Tokenizer
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling, parse
 from .tenants import KeyRing, Tenant, TenantGate, cache_partition
+from .toolapi import ToolStream, message_of, template_messages, tool_turn
 from .wire import AccessLog, BodyLimit, BodyTooLarge, Totals, default_body_limit, error_body, too_large_body
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI completions default; chat defaults to the context left
@@ -284,7 +285,8 @@ def create_app(settings: ServerSettings,
         return tenant.name if len(state.keys.tenants) > 1 else None
 
     async def submit(request: Request, tenant: Tenant, body: _Sampling, scheduler: BatchScheduler,
-                     tokenize: Callable[[], list[int]], max_tokens: int | None, logprobs: int | None) -> RequestHandle:
+                     tokenize: Callable[[], list[int]], max_tokens: int | None, logprobs: int | None,
+                     constraint=None) -> RequestHandle:
         """Wait for one of the tenant's places (429 when its queue is full), tokenise and compile its
         grammar off the event loop, and queue the request; its place is given back when the scheduler finishes it."""
         await state.gate.acquire(tenant)
@@ -293,7 +295,7 @@ def create_app(settings: ServerSettings,
             # Off the loop too: compiling a grammar may take its whole work budget (seconds), and
             # tokenising a prediction is as long as its text.
             gen = await asyncio.to_thread(lambda: gen_request(body, ids, max_tokens, logprobs, scheduler,
-                                                              prediction_of(body)))
+                                                              prediction_of(body), constraint))
             gen = dataclasses.replace(gen, tenant=tenant.name, request_id=request.scope["specdec.access"].id,
                                       cache_partition=cache_partition(settings.cache_salt, tenant, body.cache_salt))
             handle = scheduler.submit(gen, asyncio.get_running_loop())
@@ -347,7 +349,7 @@ def create_app(settings: ServerSettings,
         return None if text is None else Prediction.of(text, state.tokenizer)
 
     def gen_request(body: _Sampling, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None,
-                    scheduler: BatchScheduler, prediction: Prediction | None = None) -> GenRequest:
+                    scheduler: BatchScheduler, prediction: Prediction | None = None, constraint=None) -> GenRequest:
         if max_tokens is None:
             max_tokens = max(1, scheduler.max_model_len - len(prompt_ids))
         sampling = SamplingParams(body.temperature, max(0, body.top_k), body.top_p, body.min_p, body.seed,
@@ -360,7 +362,7 @@ def create_app(settings: ServerSettings,
             k = 0
         elif body.speculative is not None and body.speculative is not True:
             drafter, k = body.speculative.drafter, body.speculative.num_tokens
-        spec = body.structured
+        spec = body.structured if constraint is None else constraint  # a tool turn's (toolapi.tool_turn)
         grammar = scheduler.engine.compile_structured(spec) if spec is not None else None
         return GenRequest(prompt_ids, max_tokens, sampling, body.stop_list, drafter, k, logprobs, grammar,
                           prediction=prediction)
@@ -483,9 +485,11 @@ def create_app(settings: ServerSettings,
             raise InvalidRequestError("this model has no tokenizer, so no chat template: use /v1/completions "
                                       "with token ids", "messages")
         top = body.top_logprobs or 0
+        turn = tool_turn(body, tokenizer)
         handle = await submit(request, tenant, body, scheduler, lambda: tokenizer.encode_chat(
-            [m.as_template_dict() for m in body.messages], body.add_generation_prompt, body.continue_final_message),
-                              body.max_completion_tokens or body.max_tokens, top if body.logprobs else None)
+            template_messages(body), body.add_generation_prompt, body.continue_final_message,
+            turn and turn.template_tools), body.max_completion_tokens or body.max_tokens,
+                              top if body.logprobs else None, turn and turn.constraint)
         access = request.scope["specdec.access"]
         rid, created = f"chatcmpl-{access.id}", int(time.time())
         base = {"id": rid, "created": created, "model": settings.served_model_name}
@@ -508,9 +512,12 @@ def create_app(settings: ServerSettings,
             note(access, done[-1])
             raise_fault(done[-1])
             result = RequestHandle.collect(done)
+            message, finish = {"role": "assistant", "content": result.text}, result.finish_reason
+            if turn is not None:
+                message, finish = message_of(turn, result.token_ids, tokenizer, finish)
             return {**base, "object": "chat.completion",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                                 "logprobs": logprobs_of(result.logprobs), "finish_reason": result.finish_reason}],
+                    "choices": [{"index": 0, "message": message,
+                                 "logprobs": logprobs_of(result.logprobs), "finish_reason": finish}],
                     "usage": await usage_of(result.usage)}
 
         async def events():
@@ -518,18 +525,26 @@ def create_app(settings: ServerSettings,
             extra = {"usage": None} if body.include_usage else {}
             yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}], **extra})
+            calls = ToolStream(turn, tokenizer) if turn is not None else None
             async for delta in guarded(handle):
                 note(access, delta)
                 if delta.finish_reason == "error":
                     yield sse(fault_body(delta.error))
                     break
-                if delta.text or delta.logprobs:
-                    yield sse({**head, "choices": [{"index": 0, "delta": {"content": delta.text},
+                text = delta.text if calls is None else calls.push(delta.text, delta.token_ids)
+                if text or delta.logprobs:
+                    yield sse({**head, "choices": [{"index": 0, "delta": {"content": text},
                                                     "logprobs": logprobs_of(delta.logprobs),
                                                     "finish_reason": None}], **extra})
                 if delta.finish_reason:
+                    finish = delta.finish_reason
+                    if calls is not None:
+                        rest, chunks, finish = calls.finish(finish)
+                        for part in ([{"content": rest}] if rest else []) + [{"tool_calls": [c]} for c in chunks]:
+                            yield sse({**head, "choices": [{"index": 0, "delta": part, "logprobs": None,
+                                                            "finish_reason": None}], **extra})
                     yield sse({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
-                                                    "finish_reason": delta.finish_reason}], **extra})
+                                                    "finish_reason": finish}], **extra})
                     if body.include_usage:
                         yield sse({**head, "choices": [], "usage": await usage_of(delta.usage)})
             yield "data: [DONE]\n\n"

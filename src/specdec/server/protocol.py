@@ -24,6 +24,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from ..errors import InvalidRequestError
 from ..sampling import REPETITION_PENALTY_RANGE
 from ..structured import StructuredSpec
+from ..tools import tool_set
 
 MAX_STOP = 16
 MAX_TOKEN_ID_DIGITS = 9
@@ -67,7 +68,7 @@ def _same(value: object, neutral: object) -> bool:
 
 # Known fields this server does not implement: name -> (its neutral values besides null, what to
 # say). Anything else in the field is a 400 naming it.
-_TOOLS = "tool and function calling is not supported"
+_TOOLS = "the legacy functions / function_call are not supported: use tools and tool_choice"
 _COMMON_NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
     "length_penalty": ((1,), "beam search is not supported"),
     "use_beam_search": ((False,), "beam search is not supported"),
@@ -95,11 +96,8 @@ _COMPLETION_NOT_IMPLEMENTED = {
 }
 _CHAT_NOT_IMPLEMENTED = {
     **_COMMON_NOT_IMPLEMENTED,
-    "tools": (([],), _TOOLS),
-    "tool_choice": (("none",), _TOOLS),
     "functions": (([],), _TOOLS),
     "function_call": (("none",), _TOOLS),
-    "parallel_tool_calls": ((), _TOOLS),
     "echo": ((False,), "echo is not supported"),
     "chat_template": ((), "only the model's own chat template is supported"),
     "chat_template_kwargs": (({},), "chat_template_kwargs is not supported"),
@@ -111,7 +109,6 @@ _CHAT_NOT_IMPLEMENTED = {
     "mm_processor_kwargs": ((), "multimodal input is not supported"),
 }
 _MESSAGE_NOT_IMPLEMENTED = {
-    "tool_calls": (([],), _TOOLS),
     "function_call": ((), _TOOLS),
     "audio": ((), "audio is not supported"),
     "annotations": (([],), "annotations are not supported"),
@@ -202,7 +199,8 @@ class _Sampling(_Strict):
         if self.prediction is not None:
             if self.n != 1:
                 raise InvalidRequestError("prediction: only with n = 1", "prediction", "unsupported_value")
-            if any((self.model_extra or {}).get(name) not in (None, []) for name in ("tools", "functions")):
+            # getattr: chat declares `tools` (toolapi); an undeclared field is an extra attribute.
+            if any(getattr(self, name, None) not in (None, []) for name in ("tools", "functions")):
                 raise InvalidRequestError("prediction cannot be combined with tools (as in OpenAI's API)",
                                           "prediction", "unsupported_parameter")
             self.prediction_text  # noqa: B018 (a malformed prediction is a 400 here)
@@ -349,6 +347,7 @@ class ChatMessage(_Strict):
     # Passed to the chat template, which renders them if it knows them.
     name: Text | None = None
     tool_call_id: Text | None = None
+    tool_calls: list[Any] | None = None  # an assistant's calls, checked by `tools.history`
 
     def as_template_dict(self) -> dict:
         content = self.content
@@ -371,6 +370,10 @@ class ChatCompletionRequest(_Sampling):
     # How the chat template renders the messages (vLLM's extensions, as transformers defines them).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # Tool calling (server/toolapi.py, checked against the model's chat template there).
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
 
     _not_implemented: ClassVar[dict[str, tuple[tuple, str]]] = _CHAT_NOT_IMPLEMENTED
 
@@ -383,6 +386,7 @@ class ChatCompletionRequest(_Sampling):
                                       "continue_final_message")
         for i, message in enumerate(self.messages):
             _refuse_not_implemented(message, _MESSAGE_NOT_IMPLEMENTED, f"messages[{i}].")
+        tool_set(self.tools, self.tool_choice, self.parallel_tool_calls)  # a malformed tool: a 400 here
         return self
 
 
