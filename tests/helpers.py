@@ -109,3 +109,14 @@ def drive(scheduler, handles) -> list:
     while not all(h.finished for h in handles):
         scheduler.run_once(wait=False)
     return [h.result() for h in handles]
+
+
+def byte_alphabet() -> dict[int, str]:
+    # GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest move above 255.
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out

@@ -182,6 +182,7 @@ def test_a_shared_prefill_from_the_prefix_cache_is_retried_alone(plain, referenc
     _, sched = run_and_check(plain, references, bad, 500, model=model, prefix_cache_tokens=4096, before=stem)
     assert model.refused[0][0] > 1 and model.refused[-1] == (1, 1)  # shared, then the bad prompt alone
     assert sched.counters.prompt_tokens_cached >= 9 * 19
+    assert sched.counters.prompt_tokens == sum(len(p) for p in stem) + 9 * 20  # the retried ones once
 
 
 def test_a_sampling_fault_fails_its_row_alone(plain, references):

@@ -19,7 +19,7 @@ from specdec.errors import InvalidRequestError
 from specdec.sampling import adjust_logits, make_generator, process_logits, sample
 from specdec.verify import verify_sampling
 
-from helpers import TINY_VOCAB as V, make_tiny_hf, pooled_chisquare_p
+from helpers import TINY_VOCAB as V, byte_alphabet, make_tiny_hf, pooled_chisquare_p
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
@@ -27,17 +27,6 @@ jsonschema = pytest.importorskip("jsonschema")
 from test_penalties import Oracle, OracleTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _byte_alphabet() -> dict[int, str]:
-    # GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest move above 255.
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    out, extra = {b: chr(b) for b in keep}, 0
-    for b in range(256):
-        if b not in out:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
 
 
 def make_byte_tokenizer(folder) -> None:
@@ -48,7 +37,7 @@ def make_byte_tokenizer(folder) -> None:
     from tokenizers import decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
     for b in range(32, 126):
         vocab[alphabet[b]] = len(vocab)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from helpers import byte_alphabet
+
 TEMPLATES = Path(__file__).parent / "templates"
 
 # (content, special): the family's added tokens as its tokenizer.json declares them.
@@ -13,17 +15,6 @@ QWEN_ADDED = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", Tr
               ("</tool_call>", False), ("<think>", False), ("</think>", False)]
 LLAMA_ADDED = [("<|begin_of_text|>", True), ("<|end_of_text|>", True), ("<|start_header_id|>", True),
                ("<|end_header_id|>", True), ("<|eom_id|>", True), ("<|eot_id|>", True), ("<|python_tag|>", True)]
-
-
-def _byte_alphabet() -> list[str]:
-    # GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest move above 255.
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    out, extra = {b: chr(b) for b in keep}, 0
-    for b in range(256):
-        if b not in out:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return [out[b] for b in range(256)]
 
 
 def make_tool_model(tmp_path, family: str, seed: int = 0):
@@ -34,7 +25,8 @@ def make_tool_model(tmp_path, family: str, seed: int = 0):
     from tokenizers import Tokenizer as RawTokenizer
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {c: i for i, c in enumerate(_byte_alphabet())}
+    alphabet = byte_alphabet()
+    vocab = {alphabet[b]: b for b in range(256)}
     raw = RawTokenizer(models.BPE(vocab, []))
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     raw.decoder = decoders.ByteLevel()

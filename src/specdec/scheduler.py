@@ -329,6 +329,11 @@ class _Sequence:
     def request(self) -> Request:
         return self.handle.request
 
+    @property
+    def rid(self) -> object:
+        """The id its caller knows it by (the server's access line), else the handle's."""
+        return self.request.request_id or self.handle.id
+
 
 @dataclass
 class SchedulerCounters:
@@ -566,19 +571,19 @@ class BatchScheduler:
         except Exception as exc:  # noqa: BLE001 (a fault of the loop itself, not of one row: a bug)
             held = ([self._prefilling] if self._prefilling is not None else []) + list(self._running)
             log.error("the scheduler loop failed; failing requests %s",
-                      [s.request.request_id or s.handle.id for s in held], exc_info=exc)
+                      [s.rid for s in held], exc_info=exc)
             if self._prefilling is not None:
                 seq = self._prefilling
-                self._drop_prefilling("error", Fault.of(RuntimeError(), seq.request.request_id or seq.handle.id))
+                self._drop_prefilling("error", Fault.of(RuntimeError(), seq.rid))
             for seq in list(self._running):
-                self._leave(seq, "error", Fault.of(RuntimeError(), seq.request.request_id or seq.handle.id))
+                self._leave(seq, "error", Fault.of(RuntimeError(), seq.rid))
         return True
 
     @staticmethod
     def _fault(seq: _Sequence, exc: BaseException, where: str) -> Fault:
         """What `seq` is told of `exc`, raised by its own work (`errors.Fault`); logged in full,
         under the id its caller knows it by."""
-        rid = seq.request.request_id or seq.handle.id
+        rid = seq.rid
         fault = Fault.of(exc, rid)
         if fault.status >= 500:
             log.error("request %s failed in %s", rid, where, exc_info=exc)
@@ -691,7 +696,10 @@ class BatchScheduler:
         except Exception:  # noqa: BLE001 (narrowed down: each prompt again by itself, its fault its own)
             for j, seq in enumerate(batch):
                 self.cache.truncate(0, row=r + j)
-                seq.alone = True
+                # Admitted again by itself, and counted there: take back what `_admit` counted here.
+                self.counters.prompt_tokens -= len(seq.request.prompt_ids)
+                self.counters.prompt_tokens_cached -= seq.cached
+                seq.cached, seq.alone = 0, True
             self._ready.extendleft(reversed(batch))
             return
         self.counters.prefill_forwards += 1

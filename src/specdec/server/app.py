@@ -647,12 +647,11 @@ class RowFault(APIError):
 
 def raise_fault(last: Delta) -> None:
     if last.finish_reason == "error":
-        raise RowFault(last.error or Fault.of(RuntimeError(), "?"))
+        raise RowFault(last.error)
 
 
-def fault_body(fault: Fault | None) -> dict:
+def fault_body(fault: Fault) -> dict:
     """The SSE error event of a stream whose request failed after its first byte."""
-    fault = fault or Fault.of(RuntimeError(), "?")
     return error_body(fault.message, fault.type, fault.param)
 
 

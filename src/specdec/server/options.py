@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 
 from ..errors import InvalidRequestError, SpecdecError
+from ..policy import DRAFT_LENGTHS
 from ..scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_TOKENS
 from .tenants import KeyRing
 
@@ -30,7 +31,7 @@ def add_arguments(parser) -> None:
                              "scores every id, so output is unchanged); 0 = all; default: the named pair's "
                              "setting under --drafter auto, else all ids")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
-    parser.add_argument("--draft-length", default=None, choices=["cost", "fixed", "adaptive"],
+    parser.add_argument("--draft-length", default=None, choices=DRAFT_LENGTHS,
                         help="each request's draft-length rule, as in `specdec generate` (default: cost), under the "
                              "batch's caps below")
     parser.add_argument("--draft-tree", metavar="DEPTHxTOPKxBUDGET", default=None,
