@@ -1008,7 +1008,7 @@ at::Tensor int8_columns(at::Tensor x, at::Tensor q, at::Tensor ws, at::Tensor id
 // Per row and output, over the groups in order, with S_g = sum q_i x_i and X_g = sum x_i (exact
 // integers, |S_g| <= 32 * 15 * 127: exact in float too):
 //   A = fma(a_g, S_g, A), B = fma(b_g, X_g, B), out = (A + B) * s (+ bias).
-// Every path (`int4_reference`, the AVX-512 VNNI kernel) computes exactly this sequence, so a row's
+// Every path (`int4_reference`, the AVX-512 VNNI and the AVX2 kernels) computes exactly this sequence, so a row's
 // result is the same bits whatever else is in the call and whichever path runs.
 
 constexpr int64_t kInt4Group = 32;
@@ -1108,8 +1108,8 @@ inline int int4_weight(const uint8_t* p, int64_t l, int64_t i) {
 }
 
 // Outputs [col, col + valid) of one input row against block `blk` (its groups' bytes at p), the
-// formula above in scalar code: the definition the vector kernel is held to, and the path of builds
-// without AVX-512 VNNI.
+// formula above in scalar code: the definition the vector kernels are held to, and the path of builds
+// with neither AVX-512 VNNI nor AVX2.
 inline void int4_block_reference(const uint8_t* p, int64_t groups, const int8_t* v, const float* xsum, float s,
                                  const float* bias, float* out, int64_t valid) {
   for (int64_t l = 0; l < valid; ++l) {
@@ -1173,6 +1173,59 @@ inline void int4_tile(const uint8_t* p, int64_t groups, const int8_t* v, const f
 }
 #endif
 
+#if !defined(SPECDEC_VNNI) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SPECDEC_INT4_AVX2 1
+constexpr int64_t kInt4PassRows = 3;  // rows a pass: 3 int16 sums, 3 + 3 totals, 2 weight operands, 2 scales
+constexpr int64_t kPrefetchRows = 3;  // as in the VNNI build: prefetch the next block from 3 rows a call
+
+// The same tile on AVX2 without VNNI (Zen 2 and 3, Intel before Ice Lake): 8 outputs a 256-bit
+// register, one half of the 16-row block after the other (a half is 32 bytes of each 64-byte chunk).
+// vpmaddubsw multiplies a weight in [0, 15] by an input in [-127, 127] and adds neighbours into int16
+// (|.| <= 3810); a group's 8 such products per output add up within int16 (<= 30480), so one vpmaddwd
+// by ones gives S_g exactly, as vpdpbusd does: the same integers, then the same float sequence.
+template <int MT>
+inline void int4_tile(const uint8_t* p, int64_t groups, const int8_t* v, const float* xsum,
+                      const float* s, const float* bias, float* out, int64_t ldo, int64_t valid, const uint8_t* ahead) {
+  const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2 && 8 * h < valid; ++h) {
+    __m256 a_total[MT], b_total[MT];
+    for (int m = 0; m < MT; ++m) a_total[m] = b_total[m] = _mm256_setzero_ps();
+    const uint8_t* gp = p + 32 * h;
+    for (int64_t g = 0; g < groups; ++g, gp += kInt4GroupBytes) {
+      if (h == 0 && ahead != nullptr)  // the same group of the next block: its 5 cache lines
+        for (int j = 0; j < 5; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + g * kInt4GroupBytes + 64 * j), _MM_HINT_T1);
+      __m256i sums[MT];
+      for (int m = 0; m < MT; ++m) sums[m] = _mm256_setzero_si256();
+      for (int u = 0; u < 4; ++u) {
+        const __m256i chunk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 64 * u));
+        const __m256i low = _mm256_and_si256(chunk, nibble);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), nibble);
+        for (int m = 0; m < MT; ++m) {
+          const int32_t* x = reinterpret_cast<const int32_t*>(v + (g * MT + m) * kInt4Group);
+          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(low, _mm256_set1_epi32(x[2 * u])));
+          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(high, _mm256_set1_epi32(x[2 * u + 1])));
+        }
+      }
+      const uint8_t* scales = gp - 32 * h + 256 + 16 * h;  // this half's 8 steps a, then 32 bytes on its offsets b
+      const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+      const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 32)));
+      for (int m = 0; m < MT; ++m) {
+        const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m], ones));
+        a_total[m] = _mm256_fmadd_ps(a, sum, a_total[m]);
+        b_total[m] = _mm256_fmadd_ps(b, _mm256_set1_ps(xsum[g * MT + m]), b_total[m]);
+      }
+    }
+    const int64_t lanes = std::min<int64_t>(8, valid - 8 * h);
+    for (int m = 0; m < MT; ++m) {
+      alignas(32) float o[8];
+      _mm256_store_ps(o, _mm256_mul_ps(_mm256_add_ps(a_total[m], b_total[m]), _mm256_set1_ps(s[m])));
+      float* row = out + m * ldo + 8 * h;
+      for (int64_t l = 0; l < lanes; ++l) row[l] = bias != nullptr ? o[l] + bias[8 * h + l] : o[l];
+    }
+  }
+}
+#endif
+
 // y = Int4Linear(x), through the vector kernel where built in (`vector`), else the scalar one.
 // x [..., K] float32; q [N16, groups * 20] uint8 in the packed layout (N16 = ceil16(N), groups =
 // ceil32(K) / 32); bias [N] or none; n_out = N. Returns [..., N].
@@ -1191,7 +1244,7 @@ at::Tensor int4_product(at::Tensor x, const at::Tensor& q, const c10::optional<a
   auto out = empty_with_last(x, n_out);
   if (n == 0) return out;
   Int4Rows rows;
-#if defined(SPECDEC_VNNI)
+#if defined(SPECDEC_VNNI) || defined(SPECDEC_INT4_AVX2)
   int4_input(x, kp, rows, vector ? kInt4PassRows : 0);
 #else
   int4_input(x, kp, rows, 0);
@@ -1204,7 +1257,7 @@ at::Tensor int4_product(at::Tensor x, const at::Tensor& q, const c10::optional<a
       const int64_t col = blk * 16, valid = std::min<int64_t>(16, n_out - col);
       const uint8_t* p = qs + blk * block_bytes;
       const float* bcol = bs != nullptr ? bs + col : nullptr;
-#if defined(SPECDEC_VNNI)
+#if defined(SPECDEC_VNNI) || defined(SPECDEC_INT4_AVX2)
       if (vector) {
         // All rows in passes of near-equal size (9 -> 5 + 4): the block's bytes stay in the core's
         // caches for the later passes.
