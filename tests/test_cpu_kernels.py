@@ -463,10 +463,20 @@ def test_builds_for_different_cpus_live_in_different_folders(monkeypatch):
     assert cpu_kernels.build_dir() != first
 
 
+def test_the_int4_kernel_is_a_vector_one_where_the_cpu_has_one(kernels):
+    """On an AVX2 machine without VNNI every int4 product once ran the scalar reference (the 4-bit
+    Qwen pair's default, ~10-100x slower): the build's int4 path follows the CPU's flags."""
+    flags = set(cpu_kernels.cpu_fields().get("flags", "").split())
+    vnni = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags
+    expected = "avx512-vnni" if vnni else "avx2" if {"avx2", "fma", "f16c"} <= flags else "scalar"
+    assert kernels.int4_path() == expected
+
+
 def test_an_avx2_build_computes_the_same_bits_as_this_build(kernels, tmp_path):
-    """The kernels built for AVX2 alone (row-major int8 tables, the scalar int4 path) give the same
-    bits as this machine's build (with AVX-512 VNNI here: packed int8, the vector int4 kernel), so
-    the path of CPUs without VNNI is tested on one that has it. One extra compile (~40 s)."""
+    """The kernels built for AVX2 alone (row-major int8 tables, the AVX2 int4 tile) give the same
+    bits as this machine's build (with AVX-512 VNNI: packed int8, the VNNI int4 tile; on an AVX2
+    machine the same paths), so the path of CPUs without VNNI is tested on one that has it. One
+    extra compile (~40 s)."""
     import torch.nn.functional as F
     from torch.utils import cpp_extension
 
@@ -477,7 +487,7 @@ def test_an_avx2_build_computes_the_same_bits_as_this_build(kernels, tmp_path):
     avx2 = cpp_extension.load(name="specdec_cpu_kernels_avx2", sources=[str(cpu_kernels.SOURCE)],
                               extra_cflags=["-O3", "-march=haswell", "-ffp-contract=off", "-fopenmp"],
                               extra_ldflags=["-fopenmp"], build_directory=str(tmp_path), verbose=False)
-    assert not avx2.int8_packed()
+    assert not avx2.int8_packed() and avx2.int4_path() == "avx2"
     g = torch.Generator().manual_seed(7)
     for n, k in [(333, 100), (37, 8970), (64, 2100)]:
         w = torch.randn(n, k, generator=g) * 0.05

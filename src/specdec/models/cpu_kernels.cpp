@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -1289,6 +1290,18 @@ at::Tensor int4_product(at::Tensor x, const at::Tensor& q, const c10::optional<a
   return out;
 }
 
+// Which int4 kernel this build runs: what a test holds to the machine's flags (a build without a
+// vector path on a CPU that has one is a slow default, not an error, and would otherwise go unseen).
+std::string int4_path() {
+#if defined(SPECDEC_VNNI)
+  return "avx512-vnni";
+#elif defined(SPECDEC_INT4_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 at::Tensor int4_linear(at::Tensor x, at::Tensor q, c10::optional<at::Tensor> bias, int64_t n_out) {
   return int4_product(std::move(x), q, bias, n_out, true);
 }
@@ -2046,6 +2059,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("table_empty", &table_empty, "an empty weight table, on transparent huge pages from 1 MiB on");
   m.def("int4_linear", &int4_linear, "Int4Linear's product: 4-bit weights in groups of 32, int8 input grid");
+  m.def("int4_path", &int4_path, "which int4 kernel this build runs: avx512-vnni, avx2 or scalar");
   m.def("int4_reference", &int4_reference, "Int4Linear's product by the scalar path, whatever the build");
   m.def("int4_pack", &int4_pack, "row-major 4-bit values and their float16 steps and offsets into the packed layout");
   m.def("int4_unpack", &int4_unpack, "a packed 4-bit table back into its row-major parts");
