@@ -329,7 +329,7 @@
       article.appendChild(el("div", "body user-text", m.content));
       return article;
     }
-    const toggle = el("button", "view-toggle", "Tokens");
+    const toggle = el("button", "view-toggle", "Token sources");
     toggle.type = "button";
     head.appendChild(toggle);
     const formatted = el("div", "body markdown");
@@ -340,7 +340,6 @@
       tokens.hidden = !showTokens;
       formatted.hidden = showTokens;
       toggle.setAttribute("aria-pressed", String(showTokens));
-      toggle.setAttribute("aria-label", "Show where each token came from");
     }
     toggle.addEventListener("click", () => { showTokens = !showTokens; flip(); });
     flip();
