@@ -319,3 +319,57 @@ def test_axe_finds_no_serious_or_critical_violation(browser, server, tmp_path, w
         assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
     finally:
         browser.set_window_size(1200, 900)
+
+
+def test_a_prediction_is_drafted_from(browser, server):
+    expected = api_text(server, PROMPT, 24)
+    open_page(browser, server)
+    settings(browser, max_tokens=24, temperature=0, speculate=True, prediction=expected)
+    send(browser, PROMPT)
+    wait_idle(browser)
+    tokens = last_answer_tokens(browser)
+    assert "".join(t for t, _ in tokens) == expected  # the output is unchanged by a prediction
+    drafted = sum(len(t) for t, cls in tokens if cls.endswith("draft"))
+    assert drafted > len(expected) / 2  # most of it came from the pasted prediction
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory):
+    pytest.importorskip("llguidance")
+    from specdec import Engine
+    from tool_models import make_tool_model
+
+    folder, _ = make_tool_model(tmp_path_factory.mktemp("web-tools"), "qwen")
+    engine = Engine.load(str(folder), dtype="float32")
+    settings = ServerSettings(model=str(folder), served_model_name="gemma", drafter="ngram", max_model_len=2048,
+                              dtype="float32", speculation_control="budget")
+    srv = ThreadServer(create_app(settings, load=lambda s: (engine.model, engine.tokenizer))).start()
+    yield srv.url
+    srv.stop()
+
+
+def test_a_chat_model_streams_through_chat_completions_and_shows_a_tool_call(browser, chat_server):
+    from test_tools import TOOLS
+
+    ask = "What is the weather in Paris?"
+    res = httpx.post(chat_server + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": ask}], "max_tokens": 12, "temperature": 0})
+    open_page(browser, chat_server)
+    assert "(chat)" in browser.find_element(By.ID, "model-line").text
+    settings(browser, max_tokens=12, temperature=0)
+    send(browser, ask)
+    wait_idle(browser)
+    assert "".join(t for t, _ in last_answer_tokens(browser)) == res.json()["choices"][0]["message"]["content"]
+    # With tools and tool_choice "required" the answer is a call, shown as one.
+    body = {"messages": [{"role": "user", "content": ask}], "tools": TOOLS, "tool_choice": "required",
+            "parallel_tool_calls": False, "max_tokens": 200, "temperature": 0}
+    call = httpx.post(chat_server + "/v1/chat/completions", json=body, timeout=120).json()[
+        "choices"][0]["message"]["tool_calls"][0]["function"]
+    settings(browser, max_tokens=200, tools=json.dumps(TOOLS),
+             extra=json.dumps({"tool_choice": "required", "parallel_tool_calls": False}))
+    browser.find_element(By.ID, "new-chat").click()
+    send(browser, ask)
+    wait_idle(browser)
+    shown = browser.find_element(By.CSS_SELECTOR, "#log article.assistant .tool-call").text
+    assert f"Tool call: {call['name']}" in shown
+    assert json.loads(shown.split("\n", 1)[1]) == json.loads(call["arguments"])
