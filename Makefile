@@ -28,7 +28,7 @@ $(CORE): $(BIN)/python pyproject.toml
 $(STAMP): $(CORE)
 	$(BIN)/pip install -q -e '.[test,all]'
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
-		(apt-get update && apt-get install -y chromium chromium-driver)
+		(apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver)
 	touch $(STAMP)
 
 install-core: $(CORE)

@@ -111,7 +111,12 @@
     }
     const model = (await res.json()).data[0];
     const ext = model.specdec;
-    if (!ext) { // the server is still loading its model
+    if (!ext) { // the server is still loading its model, or failed to
+      const health = await fetch("/health").then((r) => r.json()).catch(() => ({}));
+      if (health.status === "error") {
+        $("model-line").textContent = "The model failed to load: " + str(health.error);
+        return;
+      }
       $("model-line").textContent = "The model " + model.id + " is loading…";
       setTimeout(loadModels, 2000);
       return;
