@@ -13,17 +13,17 @@ from pathlib import Path
 import httpx
 import pytest
 
+from selenium import webdriver  # the `test` extra: these tests run, never skip
+from selenium.common.exceptions import TimeoutException
+from selenium.webdriver.chrome.options import Options
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.support.ui import WebDriverWait
+
 from specdec.server.app import ServerSettings, create_app
 from specdec.server.web import PAGE_FILES
 from test_server import ThreadServer, metric
-
-webdriver = pytest.importorskip("selenium.webdriver")
-from selenium.common.exceptions import TimeoutException  # noqa: E402
-from selenium.webdriver.chrome.options import Options  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.common.keys import Keys  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 AXE = Path(__file__).parent / "web" / "axe.min.js"
 PAGE_BUDGET = 150 * 1024  # bytes, uncompressed: everything / loads
@@ -145,6 +145,10 @@ def test_page_loads_everything_from_itself_within_the_budget(browser, server):
     # The same from the server's side, byte for byte uncompressed.
     assert sum(len(httpx.get(server + path).content) for path in PAGE_FILES) <= PAGE_BUDGET
     assert browser.execute_script("return typeof window.SpecdecMarkdown.render") == "function"
+    # The CSP is in force: a script put on the page inline does not run.
+    browser.execute_script("const s = document.createElement('script'); s.textContent = 'window.inline = 1';"
+                           "document.body.appendChild(s);")
+    assert browser.execute_script("return typeof window.inline") == "undefined"
 
 
 def test_a_message_streams_and_its_coloured_tokens_are_the_api_answer(browser, server):
@@ -183,14 +187,18 @@ def test_side_by_side_plain_run(browser, server):
     assert "Plain decoding:" in line and "same text: yes" in line  # greedy: speculation changes nothing
 
 
-def test_stop_frees_the_row(browser, server):
+@pytest.mark.parametrize("how", ["button", "escape"])
+def test_stop_frees_the_row(browser, server, how):
     open_page(browser, server)
     settings(browser, max_tokens=900)
     cancelled = metric(server, "request_success_total", ',finished_reason="cancelled"')
     send(browser, "Once upon a time")
     wait(browser, lambda d: len("".join(t for t, _ in last_answer_tokens(d))) > 0, what="the first tokens")
     assert metric(server, "num_requests_running") == 1
-    browser.find_element(By.ID, "stop").click()
+    if how == "button":
+        browser.find_element(By.ID, "stop").click()
+    else:
+        browser.find_element(By.ID, "message").send_keys(Keys.ESCAPE)
     wait_idle(browser)
     deadline = time.time() + 30
     while metric(server, "num_requests_running") != 0:
@@ -244,6 +252,7 @@ def test_an_imported_conversation_is_shown_as_text_and_exports_back(browser, ser
     toggle_views(browser)
     assert_shown_as_text(browser, HOSTILE)
     assert browser.execute_script("return document.querySelectorAll('#log a').length") == 0  # javascript: is no link
+    assert browser.find_element(By.CSS_SELECTOR, "#log .markdown pre code").text == HOSTILE[0]  # a code block
     assert browser.find_element(By.CSS_SELECTOR, "#conversations .conv").text == HOSTILE[1]
     # Export writes the conversations back as JSON.
     browser.find_element(By.ID, "export").click()
