@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from specdec.server.app import ServerSettings, create_app
+from specdec.sources import SourceSplitter
 from specdec.server.web import PAGE_FILES
 from test_server import SETTINGS, ThreadServer
 
@@ -37,6 +38,16 @@ def client(server):
 
 def segments(chunk) -> list[dict]:
     return (chunk.model_extra or {}).get("specdec", {}).get("tokens", [])
+
+
+def test_the_splitter_cuts_held_back_text_and_keeps_each_pieces_source():
+    split = SourceSplitter()
+    # " the" is partly held back (it may begin a stop string): its rest comes with the next delta.
+    assert split.split([" over", " the"], ["draft", "bonus"], " over th") == [(" over", "draft"), (" th", "bonus")]
+    # A token inside a multi-byte character adds no text; the next one carries the character.
+    assert split.split(["", "\u00e9"], ["draft", "target"], "e\u00e9") == [("e", "bonus"), ("\u00e9", "target")]
+    # Past a stop string: pushed text that is never sent is dropped with the request.
+    assert split.split([" dog", "s"], ["target", "draft"], "") == []
 
 
 def test_completion_chunks_split_their_text_by_token_source(client):

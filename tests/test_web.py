@@ -112,8 +112,10 @@ def send(driver, text):
 
 
 def wait_idle(driver, timeout=120):
-    wait(driver, lambda d: d.find_element(By.ID, "send").is_enabled() and not d.find_element(By.ID, "stop").is_enabled(),
-         timeout, "the answer to finish")
+    def idle(d):
+        return d.find_element(By.ID, "send").is_enabled() and not d.find_element(By.ID, "stop").is_enabled()
+
+    wait(driver, idle, timeout, "the answer to finish")
 
 
 def last_answer_tokens(driver) -> list[tuple[str, str]]:
@@ -159,7 +161,8 @@ def test_a_message_streams_and_its_coloured_tokens_are_the_api_answer(browser, s
         window.seen = new Set();
         new MutationObserver(() => {
           const t = document.querySelector('#log article.assistant:last-of-type .tokens');
-          if (t && document.getElementById('log').getAttribute('aria-busy') === 'true') window.seen.add(t.textContent.length);
+          const busy = document.getElementById('log').getAttribute('aria-busy') === 'true';
+          if (t && busy) window.seen.add(t.textContent.length);
         }).observe(document.getElementById('log'), {subtree: true, childList: true, characterData: true});""")
     send(browser, PROMPT)
     wait_idle(browser)
@@ -238,7 +241,8 @@ def test_a_forced_html_answer_is_shown_as_text(browser, server):
 def test_an_imported_conversation_is_shown_as_text_and_exports_back(browser, server, tmp_path):
     conversation = {"title": HOSTILE[1], "system": HOSTILE[0], "messages": [
         {"role": "user", "content": HOSTILE[0]},
-        {"role": "assistant", "content": HOSTILE[1] + "\n\n```html\n" + HOSTILE[0] + "\n```\n[link](javascript:window.pwned=1)",
+        {"role": "assistant",
+         "content": HOSTILE[1] + "\n\n```html\n" + HOSTILE[0] + "\n```\n[link](javascript:window.pwned=1)",
          "tokens": [{"text": HOSTILE[0], "source": "draft\" onmouseover=\"window.pwned=1"},
                     {"text": HOSTILE[1], "source": "bonus"}],
          "stats": {"tokens_per_s": 12.5, "tokens_per_pass": 1.5, "draft_tokens": 4, "accepted_tokens": 2,
@@ -299,8 +303,9 @@ def test_api_key_flow(browser, default_engine_fp32):
 def axe_violations(driver) -> list[dict]:
     driver.execute_script(AXE.read_text())
     driver.set_script_timeout(60)
-    found = driver.execute_async_script("const done = arguments[arguments.length - 1];"
-                                        "axe.run(document).then(r => done(r.violations), e => done([{id: String(e)}]));")
+    found = driver.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "axe.run(document).then(r => done(r.violations), e => done([{id: String(e)}]));")
     return [{"id": v["id"], "impact": v.get("impact"), "nodes": [n["target"] for n in v.get("nodes", [])][:3]}
             for v in found if v.get("impact") in ("serious", "critical", None)]
 
@@ -309,7 +314,8 @@ def axe_violations(driver) -> list[dict]:
 def test_axe_finds_no_serious_or_critical_violation(browser, server, tmp_path, width, height):
     conversation = {"title": "Axe", "messages": [
         {"role": "user", "content": "Write a loop"},
-        {"role": "assistant", "content": "Here:\n\n```python\nfor i in range(3):\n    print(i)\n```\n- one **two** `three`",
+        {"role": "assistant",
+         "content": "Here:\n\n```python\nfor i in range(3):\n    print(i)\n```\n- one **two** `three`",
          "tokens": [{"text": "Here:", "source": "target"}, {"text": " for", "source": "draft"},
                     {"text": " i", "source": "bonus"}],
          "stats": {"tokens_per_s": 10, "tokens_per_pass": 1.4, "draft_tokens": 6, "accepted_tokens": 3,
