@@ -22,9 +22,13 @@ $(CORE): $(BIN)/python pyproject.toml
 	touch $(CORE)
 
 # Every extra (server, bench, ray, structured) and the test tools: the tests cover the server, the
-# plots, two replicas under a local Ray Serve and grammars compiled with llguidance.
+# plots, two replicas under a local Ray Serve, grammars compiled with llguidance and the chat page
+# in a headless Chromium.
+# tests/test_web.py drives the system's Chromium (Debian's packages; CI runs as root).
 $(STAMP): $(CORE)
 	$(BIN)/pip install -q -e '.[test,all]'
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		(apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver)
 	touch $(STAMP)
 
 install-core: $(CORE)

@@ -44,7 +44,7 @@ from .settings import DecodingSettings
 from .sampling import SamplingParams, adjust_logits, greedy_tokens, make_generator, process_logits, sample
 from .tokenizer import Detokenizer, Tokenizer
 from . import step as step_phases
-from .step import Emitted, Step, StepReport, log_probs
+from .step import TARGET, Emitted, Step, StepReport, log_probs
 from .verify import TokenTree, TreeVerdict, first_proven_rejection, verify_greedy, verify_sampling, \
     verify_tree_greedy, verify_tree_sampling
 
@@ -861,7 +861,7 @@ class Engine:
         if row.grammar is not None:
             row.grammar.advance([first])
         logprobs = None if row.logprobs is None else log_probs(logits[-1:], [first], row.logprobs)
-        return Emitted([first], text, logprobs)
+        return Emitted([first], text, logprobs, pieces=[text], sources=[TARGET])
 
     @torch.inference_mode()
     def step(self, rows: list[Row], cache: KVCache, cap: int | list[int] | None = None) -> StepReport:

@@ -120,6 +120,7 @@ from .models.transformer import Transformer
 from .policy import PREDICTION_K_MAX, GoodputModel, LoadCap, budget_ceiling
 from .prefix_cache import SHARED, Partition, PrefixCache
 from .sampling import SamplingParams
+from .sources import SourceSplitter
 from .step import TokenLogprob
 from .tokenizer import Tokenizer
 
@@ -192,6 +193,7 @@ class Request:
     # The output the caller expects, mostly (OpenAI's `prediction`): drafted from first; its
     # accepted and rejected tokens come back in `Usage.prediction`.
     prediction: Prediction | None = None
+    token_sources: bool = False  # each delta's text split by where its tokens came from (`Delta.sources`)
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,8 @@ class Delta:
     stats: Stats | None = None  # on the last delta: this request's speculation statistics
     timing: Timing | None = None  # on the last delta
     error: Fault | None = None  # finish_reason == "error": what this request is told went wrong
+    # With `Request.token_sources`: `text` as (text, source) segments, source "draft" | "target" | "bonus".
+    sources: list[tuple[str, str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -324,6 +328,10 @@ class _Sequence:
     looked_up: tuple | None = None  # (its prefix cache lookup,) when done ahead of its prefill
     cached: int = 0  # prompt tokens copied from the prefix cache at admission
     alone: bool = False  # prefilled by itself: a shared prefill with it failed
+    splitter: SourceSplitter | None = None  # with `Request.token_sources`
+
+    def sources(self, emitted: Emitted, sent: str) -> list[tuple[str, str]] | None:
+        return None if self.splitter is None else self.splitter.split(emitted.pieces, emitted.sources, sent)
 
     @property
     def request(self) -> Request:
@@ -501,7 +509,7 @@ class BatchScheduler:
                                   num_speculative_tokens=k, draft_tree=self.draft_trees.get(name),
                                   logprobs=request.logprobs, grammar=request.grammar, prediction=request.prediction,
                                   prediction_k_max=request.num_speculative_tokens or PREDICTION_K_MAX)
-        seq = _Sequence(handle, time.perf_counter(), row)
+        seq = _Sequence(handle, time.perf_counter(), row, splitter=SourceSplitter() if request.token_sources else None)
         with self._lock:
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down")
@@ -772,10 +780,12 @@ class BatchScheduler:
         kept, logprobs = emitted.tokens, emitted.logprobs
         self.counters.generation_tokens += len(kept)
         out = seq.row.out
+        text = out.take_text()
         if not out.finished:
-            seq.handle._put(Delta(out.take_text(), kept, logprobs))
+            seq.handle._put(Delta(text, kept, logprobs, sources=seq.sources(emitted, text)))
             return False
-        self._finish(seq, out.finish_reason, text=out.take_text(), tokens=kept, logprobs=logprobs)
+        self._finish(seq, out.finish_reason, text=text, tokens=kept, logprobs=logprobs,
+                     sources=seq.sources(emitted, text))
         return True
 
     def _leave(self, seq: _Sequence, reason: str, error: Fault | None = None) -> None:
@@ -799,7 +809,8 @@ class BatchScheduler:
             self._finish(seq, reason, error)
 
     def _finish(self, seq: _Sequence, reason: str, error: Fault | None = None, text: str = "",
-                tokens: list[int] | None = None, logprobs: list[TokenLogprob] | None = None) -> None:
+                tokens: list[int] | None = None, logprobs: list[TokenLogprob] | None = None,
+                sources: list[tuple[str, str]] | None = None) -> None:
         if seq.handle.finished:
             return
         seq.handle.finished = True
@@ -814,7 +825,8 @@ class BatchScheduler:
             timing = Timing(seq.admitted - seq.arrival, ttft, now - seq.arrival, tpot)
         predicted = None if row.prediction is None else (row.prediction.ids, list(row.out.ids))
         delta = Delta(text, tokens or [], logprobs, reason,
-                      Usage(len(seq.request.prompt_ids), len(row.out.ids), seq.cached, predicted), stats, timing, error)
+                      Usage(len(seq.request.prompt_ids), len(row.out.ids), seq.cached, predicted), stats, timing, error,
+                      sources)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         seq.handle._put(delta)
         if self.on_finish is not None:

@@ -69,6 +69,21 @@ class Emitted:
     accepted: int = 0
     depth: int = 0  # the draft's deepest position (a chain's length)
     error: Exception | None = None  # the row failed this step: no tokens; it must leave the batch
+    # Per pushed token: the text it added (`Output.push`; "" inside a multi-byte character) and
+    # where it came from (`token_sources`), for the server's coloured stream.
+    pieces: list[str] | None = None
+    sources: list[str] | None = None
+
+
+# Where an emitted token came from: an accepted draft token, the target's own (after a rejection,
+# from a step that drafted nothing, or from the prefill), or the bonus token after a fully
+# accepted draft.
+DRAFT, TARGET, BONUS = "draft", "target", "bonus"
+
+
+def token_sources(accepted: int, kind: str, drafted: int) -> list[str]:
+    """The sources of a verdict's tokens, in order: its accepted drafts, then its next token."""
+    return [DRAFT] * accepted + [BONUS if kind == "bonus" and drafted else TARGET]
 
 
 @dataclass
@@ -392,9 +407,9 @@ def emit(row, block: Block, verdict: TreeVerdict, scores: Scores, keep: list[int
     tree = block.tree
     if row.steps is not None:
         row.steps.append(Step(list(verdict.accepted), verdict.next_token, verdict.kind, len(tree)))
-    kept, text = [], ""
+    kept, pieces = [], []
     for token in verdict.tokens:
-        text += row.out.push(token)
+        pieces.append(row.out.push(token))
         kept.append(token)
         if row.out.finished:
             break
@@ -403,4 +418,6 @@ def emit(row, block: Block, verdict: TreeVerdict, scores: Scores, keep: list[int
     logprobs = None
     if row.logprobs is not None:
         logprobs = log_probs(scores.logits[keep][: len(kept)], kept, row.logprobs)
-    return Emitted(kept, text, logprobs, len(tree), verdict.num_accepted, max(tree.depths(), default=0))
+    sources = token_sources(verdict.num_accepted, verdict.kind, len(tree))[: len(kept)]
+    return Emitted(kept, "".join(pieces), logprobs, len(tree), verdict.num_accepted, max(tree.depths(), default=0),
+                   pieces=pieces, sources=sources)

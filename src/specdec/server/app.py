@@ -64,6 +64,7 @@ from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling, parse
 from .tenants import KeyRing, Tenant, TenantGate, cache_partition
 from .toolapi import ToolStream, message_of, template_messages, tool_turn
+from .web import add_web_routes, model_extension, stream_extension
 from .wire import AccessLog, BodyLimit, BodyTooLarge, Totals, default_body_limit, error_body, too_large_body
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI completions default; chat defaults to the context left
@@ -365,7 +366,7 @@ def create_app(settings: ServerSettings,
         spec = body.structured if constraint is None else constraint  # a tool turn's (toolapi.tool_turn)
         grammar = scheduler.engine.compile_structured(spec) if spec is not None else None
         return GenRequest(prompt_ids, max_tokens, sampling, body.stop_list, drafter, k, logprobs, grammar,
-                          prediction=prediction)
+                          prediction=prediction, token_sources=bool(body.specdec and body.specdec.tokens))
 
     def text_ids(text: str, param: str) -> list[int]:
         if not text:
@@ -414,7 +415,8 @@ def create_app(settings: ServerSettings,
         scheduler = state.scheduler
         return {"object": "list", "data": [{
             "id": settings.served_model_name, "object": "model", "created": state.created, "owned_by": "specdec",
-            "max_model_len": scheduler.max_model_len if scheduler else settings.max_model_len}]}
+            "max_model_len": scheduler.max_model_len if scheduler else settings.max_model_len,
+            **model_extension(scheduler, state.tokenizer)}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -463,7 +465,8 @@ def create_app(settings: ServerSettings,
                 if delta.text or delta.finish_reason or delta.logprobs:
                     chunk = {**base, "choices": [{"index": 0, "text": delta.text,
                                                   "logprobs": logprobs_of(delta.logprobs, offset),
-                                                  "finish_reason": delta.finish_reason}]}
+                                                  "finish_reason": delta.finish_reason}],
+                             **stream_extension(body, delta)}
                     if body.include_usage:
                         chunk["usage"] = None
                     yield sse(chunk)
@@ -535,7 +538,8 @@ def create_app(settings: ServerSettings,
                 if text or delta.logprobs:
                     yield sse({**head, "choices": [{"index": 0, "delta": {"content": text},
                                                     "logprobs": logprobs_of(delta.logprobs),
-                                                    "finish_reason": None}], **extra})
+                                                    "finish_reason": None}], **extra,
+                               **(stream_extension(body, delta, stats=False) if calls is None else {})})
                 if delta.finish_reason:
                     finish = delta.finish_reason
                     if calls is not None:
@@ -544,7 +548,8 @@ def create_app(settings: ServerSettings,
                             yield sse({**head, "choices": [{"index": 0, "delta": part, "logprobs": None,
                                                             "finish_reason": None}], **extra})
                     yield sse({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
-                                                    "finish_reason": finish}], **extra})
+                                                    "finish_reason": finish}], **extra,
+                               **stream_extension(body, delta, tokens=False)})
                     if body.include_usage:
                         yield sse({**head, "choices": [], "usage": await usage_of(delta.usage)})
             yield "data: [DONE]\n\n"
@@ -568,6 +573,7 @@ def create_app(settings: ServerSettings,
         return app.openapi_schema
 
     app.openapi = openapi
+    add_web_routes(app)  # the chat page at / (server/web.py)
     return app
 
 

@@ -154,6 +154,16 @@ class SpeculativeOptions(_Strict):
     num_tokens: Int | None = Field(None, ge=0)
 
 
+class SpecdecOptions(_Strict):
+    """specdec's own stream extension (`server/web.py` documents the chunks' `specdec` field):
+    `tokens`: each chunk's text split by where its tokens came from; `stats`: the last chunk
+    carries the request's speculation statistics."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    tokens: bool = False
+    stats: bool = False
+
+
 class _Sampling(_Strict):
     model: Text | None = None
     max_tokens: Int | None = Field(None, ge=1)
@@ -192,6 +202,8 @@ class _Sampling(_Strict):
     prompt_cache_key: Text | None = None
     # OpenAI's predicted output: {"type": "content", "content": text or text parts} (`prediction_text`).
     prediction: Any = None
+    # specdec's stream extension (a name no standard client sends): what the chat page shows.
+    specdec: SpecdecOptions | None = None
 
     _not_implemented: ClassVar[dict[str, tuple[tuple, str]]] = _COMMON_NOT_IMPLEMENTED
 
