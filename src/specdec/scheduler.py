@@ -2,6 +2,8 @@
 
 The scheduler admits, prefills, evicts, cancels and streams; the decoding itself is the engine's
 one core (`Engine.prefill`, `Engine.step`), the same that `Engine.generate` runs for one request.
+What a caller submits and gets back (`Request`, `RequestHandle`, `Delta`, `Usage`, `Completion`) is
+defined in `request.py`.
 The loop (one background thread, `BatchScheduler._run`) repeats:
 
 1. take cancellations and admit waiting requests into free batch rows (up to `max_batch`);
@@ -98,10 +100,8 @@ near-tie may flip.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -113,13 +113,12 @@ import torch
 from .drafters import NgramDrafter, SuffixDrafter
 from .drafters.base import Drafter, TreeShape
 from .drafters.combined import lookup_first
-from .drafters.prediction import Prediction, PredictionUsage, prediction_usage
 from .engine import Emitted, Engine, Row, Stats
 from .errors import Fault, InvalidRequestError, SpecdecError
 from .models.transformer import Transformer
 from .policy import PREDICTION_K_MAX, GoodputModel, LoadCap, budget_ceiling
-from .prefix_cache import SHARED, Partition, PrefixCache
-from .sampling import SamplingParams
+from .prefix_cache import PrefixCache
+from .request import Delta, Request, RequestHandle, Timing, Usage
 from .sources import SourceSplitter
 from .step import TokenLogprob
 from .tokenizer import Tokenizer
@@ -171,148 +170,6 @@ class ShuttingDownError(SpecdecError):
 
     http_status = 503
     error_type = "service_unavailable"
-
-
-@dataclass(frozen=True)
-class Request:
-    """One generation request, already tokenised and validated by `BatchScheduler.submit`."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
-    drafter: str | None = None  # a drafter the scheduler loaded at start, by name; None = its default
-    num_speculative_tokens: int | None = None  # None = the scheduler's default k
-    logprobs: int | None = None  # None = off; n >= 0: each token's log-prob and n top alternatives
-    grammar: object = None  # the request's own `structured.GrammarState` (Engine.compile_structured)
-    # Prefix-cache entries are shared only within one partition (the server's: tenant and cache
-    # salt, `prefix_cache.py`); None: this request neither reuses nor leaves any.
-    cache_partition: Partition | None = SHARED
-    tenant: str = ""  # who sent it (the server's metrics and access log); "" for the library
-    request_id: str | None = None  # the id its caller knows it by (the server's access line); None: the handle's
-    # The output the caller expects, mostly (OpenAI's `prediction`): drafted from first; its
-    # accepted and rejected tokens come back in `Usage.prediction`.
-    prediction: Prediction | None = None
-    token_sources: bool = False  # each delta's text split by where its tokens came from (`Delta.sources`)
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0  # prompt tokens copied from the prefix cache (the request's own partition)
-    # With a prediction: (its ids, the output's ids), for `prediction`.
-    predicted: tuple[list[int], list[int]] | None = field(default=None, repr=False, compare=False)
-
-    @functools.cached_property
-    def prediction(self) -> PredictionUsage | None:
-        """The prediction's accepted and rejected tokens, worked out on first use, by whoever reads
-        them (difflib over both id lists takes up to a second for the longest predictions: not on
-        the scheduler's thread, nor on a server's event loop)."""
-        return None if self.predicted is None else prediction_usage(*self.predicted)
-
-
-@dataclass(frozen=True)
-class Timing:
-    """Latency of a finished request, for the TTFT / TPOT / end-to-end histograms."""
-
-    queue_s: float  # arrival -> admitted to a batch row
-    ttft_s: float  # arrival -> first token
-    e2e_s: float  # arrival -> last token
-    tpot_s: float | None  # mean time per output token after the first (None for 1 token)
-
-
-@dataclass(frozen=True)
-class Delta:
-    """What one scheduler step produced for one request. The last one has `finish_reason` set."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
-    usage: Usage | None = None  # on the last delta
-    stats: Stats | None = None  # on the last delta: this request's speculation statistics
-    timing: Timing | None = None  # on the last delta
-    error: Fault | None = None  # finish_reason == "error": what this request is told went wrong
-    # With `Request.token_sources`: `text` as (text, source) segments, source "draft" | "target" | "bonus".
-    sources: list[tuple[str, str]] | None = None
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A whole result, collected from the deltas (`RequestHandle.result`)."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
-    finish_reason: str
-    usage: Usage
-    stats: Stats | None
-    timing: Timing | None
-    error: Fault | None = None  # finish_reason == "error"
-
-
-class RequestHandle:
-    """The caller's side of a submitted request: iterate its deltas, or cancel it.
-
-    Deltas arrive from the scheduler thread. With an event loop (`submit(..., loop=...)`), they go
-    into an `asyncio.Queue` through `call_soon_threadsafe` and are read with `async for`; without
-    one, into a thread-safe queue read with plain `for` (tests, scripts).
-    """
-
-    def __init__(self, request_id: int, request: Request, scheduler: "BatchScheduler",
-                 loop: asyncio.AbstractEventLoop | None):
-        self.id = request_id
-        self.request = request
-        self._scheduler = scheduler
-        self._loop = loop
-        self._async: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
-        self._sync: queue.SimpleQueue = queue.SimpleQueue()
-        self.finished = False  # the scheduler sent the last delta (scheduler thread)
-        self.consumed = False  # the reader has taken the last delta (reader side)
-
-    def _put(self, delta: Delta) -> None:  # scheduler thread
-        if self._loop is None:
-            self._sync.put(delta)
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._async.put_nowait, delta)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-    def cancel(self) -> None:
-        """Stop generating; the row and its cache are freed before the next step."""
-        if not self.finished:
-            self._scheduler.cancel(self.id)
-
-    def __iter__(self):
-        if self._loop is not None:
-            raise TypeError("this handle was submitted with an event loop: use `async for`")
-        while not self.consumed:
-            delta = self._sync.get()
-            self.consumed = delta.finish_reason is not None
-            yield delta
-
-    async def __aiter__(self):
-        if self._async is None:
-            raise TypeError("this handle was submitted without an event loop: use `for`")
-        while not self.consumed:
-            delta = await self._async.get()
-            self.consumed = delta.finish_reason is not None
-            yield delta
-
-    @staticmethod
-    def collect(deltas: list[Delta]) -> Completion:
-        last = deltas[-1]
-        logprobs = None
-        if any(d.logprobs is not None for d in deltas):
-            logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
-        return Completion("".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids], logprobs,
-                          last.finish_reason, last.usage, last.stats, last.timing, last.error)
-
-    def result(self) -> Completion:
-        """Block until done (no event loop) and return everything."""
-        return self.collect(list(self))
 
 
 @dataclass
@@ -497,7 +354,7 @@ class BatchScheduler:
         Raises InvalidRequestError (400), QueueFullError (429) or ShuttingDownError (503).
         """
         self.validate(request)
-        handle = RequestHandle(next(self._ids), request, self, loop)
+        handle = RequestHandle(next(self._ids), request, self.cancel, loop)
         name = self.drafter if request.drafter is None else request.drafter
         k = self.k if request.num_speculative_tokens is None else request.num_speculative_tokens
         loaded = self.drafters[name]

@@ -11,25 +11,28 @@ reloads the keys file (`tenants.py`).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
 
+from ..engine import check_tensor_parallel, draft_model_path, resolve_device, resolve_dtype, resolve_quantize
 from ..errors import ModelLoadError, SpecdecError
 from ..extras import SERVER_MODULES, require
+from ..models.loader import check_path
+from ..settings import DecodingSettings
 # add_arguments(parser) and run(args) are this subcommand's interface to specdec/cli.py.
 from .options import add_arguments, bind, settings_from_args  # noqa: F401
+from .wire import http_protocol
 
 
 def run(args) -> int:
+    # The server's extras (fastapi, uvicorn, ...) are optional: imported here, after the check that
+    # names what to install, and only by the subcommand that needs them.
     require("server", "specdec serve", *SERVER_MODULES)
     import uvicorn
 
-    from ..engine import check_tensor_parallel, draft_model_path, resolve_device, resolve_dtype, resolve_quantize
-    from ..settings import DecodingSettings
-    from ..models.loader import check_path
     from .app import create_app
-    from .wire import http_protocol
 
     settings = settings_from_args(args)
     # Fail on a bad device, dtype, quantisation, model path or port before saying "serving"; the
@@ -86,8 +89,6 @@ def run(args) -> int:
 
 def _log_to_stderr() -> None:
     """The access lines, the keys file's reloads and the summary at shutdown, one line each."""
-    import logging
-
     logger = logging.getLogger("specdec.server")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -107,7 +108,7 @@ def _draining_server(config, state):
     exit status is 0. A second signal is uvicorn's usual one (stop listening, wait); a second
     Ctrl-C after that forces the exit.
     """
-    import uvicorn
+    import uvicorn  # the server extra, as in `run`
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

@@ -1,22 +1,70 @@
-"""`specdec serve`'s options: the argument parser, the checks that turn parsed arguments into
-`ServerSettings`, and the listening socket. One module that both front ends import: `cli.py`
-(one process under uvicorn) and `ray_app.py` (replicas under Ray Serve, including its
-`serve run specdec.server.ray_app:build` builder), so neither imports the other for them.
+"""`specdec serve`'s options: `ServerSettings` (what one server is, frozen), the argument parser,
+the checks that turn parsed arguments into `ServerSettings`, and the listening socket. One module
+that both front ends import: `cli.py` (one process under uvicorn) and `ray_app.py` (replicas under
+Ray Serve, including its `serve run specdec.server.ray_app:build` builder), so neither imports the
+other for them, and the app (`app.py`) takes the settings from here.
 """
 
 from __future__ import annotations
 
 import errno
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
+from ..drafters.base import TreeShape
+from ..engine import check_tree_drafter, pair_draft_vocab, resolve_drafter
 from ..errors import InvalidRequestError, SpecdecError
 from ..policy import DRAFT_LENGTHS
 from ..scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_TOKENS
 from .tenants import KeyRing
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    """One server: its model, drafters, batch, limits and keys (`settings_from_args` from the command
+    line; tests and the Ray builder make it directly)."""
+
+    model: str = "default"
+    served_model_name: str = "default"
+    drafter: str = "none"
+    draft_p_min: float | None = None  # a draft model's confidence cut-off (None: its default)
+    draft_vocab: int | None = None  # a draft model's kept ids (FR-Spec; None: all)
+    num_speculative_tokens: int = 5
+    draft_length: str | None = None  # each row's draft-length rule, as generate's (None: cost-aware)
+    max_batch: int = 16
+    max_queue: int = 64
+    max_model_len: int = 2048
+    spec_token_budget: int = 32
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per step while others run; 0 = whole prompts
+    prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS  # cached tokens kept for reuse; 0 = off
+    speculation_control: str = "goodput"  # "goodput": learn when drafting pays; "budget": the ceiling only
+    api_key: str | None = None  # one tenant, `default`
+    api_keys_file: str | None = None  # one tenant a line, with its limits (`tenants.py`)
+    metrics_key: str | None = None  # a key for /metrics alone (all tenants' and server-wide figures)
+    cache_salt: str = "request"  # prefix-cache sharing: request | tenant | off (`tenants.cache_partition`)
+    max_body_bytes: int | None = None  # None: sized to max_model_len (`wire.default_body_limit`)
+    dtype: str = "auto"
+    device: str = "cpu"
+    quantize: str = "none"
+    tensor_parallel: int = 1  # ranks the target is split over (`models/tensor_parallel.py`)
+    kv_dtype: str = "auto"  # the target cache's elements (`kv_cache.resolve_kv_dtype`)
+    # DEPTHxTOPKxBUDGET: the loaded drafters that draft trees (ngram, eagle, ngram+eagle) draft token
+    # trees of this shape in every batch (the budget shrinks with the load cap); the others chains.
+    draft_tree: str | None = None
+
+
 def add_arguments(parser) -> None:
+    """`specdec serve`'s options (and `ray_app.build`'s, by the same names)."""
+    _model_arguments(parser)
+    _serving_arguments(parser)
+    _access_arguments(parser)
+    _device_arguments(parser)
+    _ray_arguments(parser.add_argument_group("replicas under Ray Serve (pip install 'specdec[ray]')"))
+
+
+def _model_arguments(parser) -> None:
+    """The model, its name and how it drafts."""
     parser.add_argument("--model", default="default",
                         help="HF folder, .gguf file or a named model (`specdec models`) (default: Gemma 3 270M)")
     parser.add_argument("--served-model-name", default=None,
@@ -45,6 +93,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--speculation-control", default="goodput", choices=["goodput", "budget"],
                         help="goodput: also learn the step cost and acceptance rate online and draft the k with the "
                              "most expected tokens/s (0 when drafting does not pay); budget: the budget rule only")
+
+
+def _serving_arguments(parser) -> None:
+    """Where it listens, and what its batch, queue and caches hold."""
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together (KV cache rows)")
@@ -60,6 +112,10 @@ def add_arguments(parser) -> None:
                              "memory: this times the KV bytes per token (18 KiB for Gemma 3 270M in float16, the default "
                              "on the CPU; 36 KiB in float32); "
                              "0 = off")
+
+
+def _access_arguments(parser) -> None:
+    """Who may call it (keys, tenants), what they share and how large a request may be."""
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on every route but /health (one tenant, 'default')")
     parser.add_argument("--api-keys-file", default=None, metavar="FILE",
@@ -76,6 +132,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
                         help="request bodies larger than this get 413 (default: 64 bytes per token of "
                              "--max-model-len, at least 1 MiB)")
+
+
+def _device_arguments(parser) -> None:
+    """Where and in what numbers the model runs, and the log."""
     parser.add_argument("--dtype", default="auto",
                         help="auto (bfloat16 on CUDA and on CPUs with native bfloat16, float32 otherwise and for "
                              "int8) | float32 | bfloat16 | float16")
@@ -93,7 +153,10 @@ def add_arguments(parser) -> None:
                              "parallelism); the drafters run on rank 0; turns the prefix cache off (each rank "
                              "would keep its own share of a prefix)")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level")
-    ray = parser.add_argument_group("replicas under Ray Serve (pip install 'specdec[ray]')")
+
+
+def _ray_arguments(ray) -> None:
+    """Replicas under Ray Serve (`ray_app.py`)."""
     ray.add_argument("--replicas", type=int, default=0,
                      help="run N copies of the server under Ray Serve behind one endpoint (0: one process, no Ray)")
     ray.add_argument("--min-replicas", type=int, default=None,
@@ -112,9 +175,7 @@ def add_arguments(parser) -> None:
                      help="Ray's HTTP proxy on the head node only (one endpoint) or on every node")
 
 
-def settings_from_args(args):
-    from .app import ServerSettings
-
+def settings_from_args(args) -> ServerSettings:
     for name in ("num_speculative_tokens", "max_batch", "max_model_len", "spec_token_budget"):
         if getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 1", name)
@@ -148,20 +209,13 @@ def settings_from_args(args):
     name = args.served_model_name
     if name is None:
         name = "gemma-3-270m" if args.model == "default" else Path(args.model).name.removesuffix(".gguf")
-    from ..engine import resolve_drafter
-
     # "auto": prompt lookup first and a named model's paired draft model (with its confidence
     # cut-off), else prompt lookup.
     drafter, draft_p_min = resolve_drafter(args.drafter, args.model)
     draft_vocab = args.draft_vocab
     if args.drafter == "auto" and draft_vocab is None:
-        from ..engine import pair_draft_vocab
-
         draft_vocab = pair_draft_vocab(args.model)  # the pair's measured setting, as `Engine.load` picks it
     if args.draft_tree is not None:
-        from ..drafters.base import TreeShape
-        from ..engine import check_tree_drafter
-
         TreeShape.parse(args.draft_tree)  # a malformed shape: one line, before the drafter's name
         check_tree_drafter(drafter)
     return ServerSettings(model=args.model, served_model_name=name, drafter=drafter, draft_p_min=draft_p_min,

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from ..engine import Engine
-from ..scheduler import BatchScheduler, Request
+from ..request import Request
+from ..scheduler import BatchScheduler
 
 
 def _text_ids(tokenizer, n: int, offset: int = 0) -> list[int]:

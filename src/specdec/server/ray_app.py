@@ -32,15 +32,25 @@ Requests without it are spread by a per-request hash.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
+import signal
+import sys
+import threading
 import time
 
+import httpx
 import ray
+from fastapi.responses import PlainTextResponse
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
-from .app import ServerSettings, create_app, error_response, load_model
+from ..errors import ModelLoadError
+from .app import create_app, load_model
+from .http_errors import error_response
+from .options import ServerSettings, add_arguments, bind, settings_from_args
 
 PUSH_S = 2.0  # how often a replica pushes its metrics text to the hub
 STALE_S = 30.0  # a replica that has not pushed for this long (dead or replaced) drops out of /metrics
@@ -117,8 +127,6 @@ class SpecdecServer:
             self._pusher = asyncio.get_running_loop().create_task(self._push_forever())
 
     def __serve_build_asgi_app__(self):
-        from fastapi.responses import PlainTextResponse
-
         app = create_app(self._settings, load=lambda settings: self._loaded)
         if self._hub is not None:
             app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/metrics"]
@@ -155,8 +163,6 @@ class SpecdecServer:
 
     async def check_health(self) -> None:
         """Ray's periodic health check: the replica's own GET /health, and a live scheduler thread."""
-        import httpx
-
         state = self.app.state.specdec
         # The first check comes right after the app's startup, while its thread still builds the
         # scheduler around the loaded model (seconds): wait for that rather than fail.
@@ -199,8 +205,6 @@ def deployment_options(replicas: int, min_replicas: int | None = None, max_repli
             "min_replicas": lo, "max_replicas": hi, "initial_replicas": replicas,
             "target_ongoing_requests": target_ongoing_requests or settings.max_batch}
     if session_affinity:
-        from ray.serve.config import RequestRouterConfig
-
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="ray.serve.experimental.consistent_hash_router.ConsistentHashRouter")
     return options
@@ -218,10 +222,6 @@ def application(settings: ServerSettings, replicas: int = 1, min_replicas: int |
 def build(args: dict[str, str]):
     """Application builder for `serve run specdec.server.ray_app:build name=value ...`: the names
     are `specdec serve`'s options without the leading dashes."""
-    import argparse
-
-    from .options import add_arguments, settings_from_args
-
     parser = argparse.ArgumentParser(prog="serve run specdec.server.ray_app:build", add_help=False)
     add_arguments(parser)
     argv: list[str] = [] if "replicas" in args else ["--replicas", "1"]
@@ -248,15 +248,6 @@ app = application(ServerSettings(served_model_name="gemma-3-270m"))
 def run(args, settings: ServerSettings) -> int:
     """`specdec serve --replicas N`: Ray Serve on a local Ray (started here) or the cluster at
     `--ray-address`, the application deployed, then wait for SIGTERM / Ctrl-C and take it down."""
-    import signal
-    import sys
-    import threading
-
-    import ray
-
-    from ..errors import ModelLoadError
-    from .options import bind
-
     options = replica_arguments(args)
     deployment_options(settings=settings, **options)  # bad bounds: one error before Ray starts
     if args.ray_address is None:

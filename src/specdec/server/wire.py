@@ -158,6 +158,7 @@ class AccessLog:
 def http_protocol():
     """Uvicorn's HTTP protocol class (httptools where installed, as uvicorn picks it, else h11) with
     its answer to malformed HTTP in the OpenAI error shape instead of plain text."""
+    # uvicorn is the server extra: imported when a server starts, not when the CLI parses options.
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:
