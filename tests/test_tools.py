@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specdec import Engine, SamplingParams
+from specdec import tool_scan as S
 from specdec import tools as T
 from specdec.drafters import DraftModelDrafter, NgramDrafter, SuffixDrafter
 from specdec.errors import InvalidRequestError
@@ -77,32 +78,32 @@ def test_parsers_read_calls_as_the_real_template_renders_them(family):
     assert whole[: len(bare)] == bare  # the generation prompt, then the assistant's turn
     end = ids["<|im_end|>"] if name == "qwen" else ids["<|eot_id|>"]
     answer = whole[len(bare): whole.index(end, len(bare))]
-    content, calls = T.parse_answer(fam, toolset, answer, tok)
+    content, calls = S.parse_answer(fam, toolset, answer, tok)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "unit": "c"})]
     assert content is None
     if name == "llama":  # the same call after <|python_tag|>, a special token found on the ids
         tagged = [ids["<|python_tag|>"]] + answer
-        assert T.parse_answer(fam, toolset, tagged, tok)[1][0].name == "get_weather"
-        assert T.parse_answer(fam, toolset, tok.encode_plain("It is sunny."), tok) == ("It is sunny.", [])
+        assert S.parse_answer(fam, toolset, tagged, tok)[1][0].name == "get_weather"
+        assert S.parse_answer(fam, toolset, tok.encode_plain("It is sunny."), tok) == ("It is sunny.", [])
 
 
 def test_hermes_think_blocks_and_fenced_json():
     toolset = T.tool_set(TOOLS, "auto")
     call = '{"name": "get_time", "arguments": {"tz": 2}}'
     think = f"<think>\nmaybe <tool_call>\n{call}\n</tool_call>\n</think>\n\n"
-    content, calls = T._hermes(toolset, think + f"<tool_call>\n{call}\n</tool_call>")
+    content, calls = hermes(toolset, think + f"<tool_call>\n{call}\n</tool_call>")
     assert [c.name for c in calls] == ["get_time"] and content.startswith("<think>") and "maybe" in content
-    content, calls = T._hermes(toolset, think + "no call")
+    content, calls = hermes(toolset, think + "no call")
     assert calls == [] and content.endswith("no call")  # a call inside the reasoning is not a call
     # Qwen2.5-Coder's fenced JSON: a call only when exactly a call to a given tool with valid arguments.
-    content, calls = T._hermes(toolset, f"Sure.\n```json\n{call}\n```")
+    content, calls = hermes(toolset, f"Sure.\n```json\n{call}\n```")
     assert [c.name for c in calls] == ["get_time"] and content.strip() == "Sure."
     for other in ('{"name": "get_time", "arguments": {"tz": 99}}',  # out of the schema
                   '{"name": "launch", "arguments": {}}',  # no such tool
                   '{"name": "get_time", "arguments": {"tz": 2}, "x": 1}',  # more than a call
                   '{"a": 1}'):
         text = f"Here:\n```json\n{other}\n```"
-        assert T._hermes(toolset, text) == (text, [])
+        assert hermes(toolset, text) == (text, [])
 
 
 def test_bad_tools_are_request_errors():
@@ -146,7 +147,7 @@ def test_constrained_calls_are_valid_for_many_seeds(family, choice):
     for seed in range(60):
         out = spec.generate(prompt_ids=prompt, max_new_tokens=100, structured=constraint,
                             sampling=SamplingParams(temperature=1.0, seed=seed))
-        content, calls = T.parse_answer(fam, toolset, out.token_ids, engine.tokenizer)
+        content, calls = S.parse_answer(fam, toolset, out.token_ids, engine.tokenizer)
         if out.finish_reason == "stop":
             finished += 1
             assert content is None and len(calls) == 1
@@ -177,7 +178,7 @@ def test_greedy_identity_with_every_drafter(family, choice):
                            speculative=False)
     if choice == "auto":
         assert opening in want.token_ids and want.finish_reason == "stop"
-    content, calls = T.parse_answer(fam, toolset, want.token_ids, engine.tokenizer)
+    content, calls = S.parse_answer(fam, toolset, want.token_ids, engine.tokenizer)
     if want.finish_reason == "stop":
         assert_valid(calls)
     accepted = 0
@@ -250,7 +251,7 @@ def test_sampled_calls_with_drafting_follow_plain_constrained_sampling(family):
         for seed in range(n):
             out = spec.generate(prompt_ids=prompt, max_new_tokens=45, structured=constraint, speculative=speculative,
                                 sampling=SamplingParams(temperature=1.0, seed=1000 * speculative + seed))
-            value = json.loads(T.parse_answer(T.HERMES, toolset, out.token_ids, engine.tokenizer)[1][0].arguments)["u"]
+            value = json.loads(S.parse_answer(T.HERMES, toolset, out.token_ids, engine.tokenizer)[1][0].arguments)["u"]
             counts[speculative][value] = counts[speculative].get(value, 0) + 1
             drafted += out.stats.accepted_tokens
     cells = sorted(set(counts[True]) | set(counts[False]))
@@ -259,31 +260,75 @@ def test_sampled_calls_with_drafting_follow_plain_constrained_sampling(family):
     assert chi2_contingency(table)[1] > 1e-3, table
 
 
-def test_a_stream_sends_text_until_a_call_may_begin(family):
-    from specdec.server.toolapi import ToolStream, ToolTurn
+def hermes(toolset, text):
+    return S.parse_text(T.HERMES, toolset, text, None)
 
+
+def streamed(family, toolset, tok, ids, step):
+    """The events of an answer pushed `step` tokens at a time, and the events each push returned."""
+    scanner, pushes = S.CallScanner(family, toolset, tok), []
+    for at in range(0, len(ids), step):
+        pushes.append(scanner.push(tok.decode(ids[at: at + step]), ids[at: at + step]))
+    return pushes, scanner.finish()
+
+
+def test_a_stream_sends_text_then_the_call_head_then_its_arguments_as_written(family):
+    """Content goes out until the opening; the call's name as soon as it is written; each push
+    inside the arguments sends what it added; pushed in any split the events assemble into the
+    whole answer's parse."""
     name, _, ids, engine = family
-    if name != "qwen":
-        pytest.skip("the hermes opening")
     tok = engine.tokenizer
     toolset = T.tool_set(TOOLS, "auto")
-    turn = ToolTurn(T.HERMES, toolset, None, toolset.template_tools())
-    call = '\n{"name": "get_time", "arguments": {"tz": 2}}\n'
-    answer = tok.encode_plain("Let me check.\n") + [ids["<tool_call>"]] + tok.encode_plain(call) + \
-        [ids["</tool_call>"]]
-    stream, sent = ToolStream(turn, tok), ""
-    for at in range(0, len(answer), 3):
-        sent += stream.push(tok.decode(answer[at: at + 3]), answer[at: at + 3])
-    assert sent == "Let me check.\n"  # nothing of the call went out as content
-    rest, chunks, finish = stream.finish("stop")
-    assert finish == "tool_calls" and chunks[0]["function"]["name"] == "get_time" and "id" in chunks[0]
-    assert json.loads("".join(c["function"]["arguments"] for c in chunks)) == {"tz": 2}
-    # A fence may open a Qwen2.5-Coder call: from there the text waits for the end, then comes whole.
-    text = "Use `ls` here."
-    stream = ToolStream(turn, tok)
-    sent = "".join(stream.push(c, tok.encode_plain(c)) for c in text)
-    rest, chunks, finish = stream.finish("stop")
-    assert sent == "Use " and sent + rest == text and chunks == [] and finish == "stop"
+    fam = T.family_of(tok.chat_template)
+    args = '{"city": "Paris", "unit": "c"}'
+    if name == "qwen":
+        pre = "Let me check.\n"
+        answer = tok.encode_plain(pre) + [ids["<tool_call>"]] + \
+            tok.encode_plain(f'\n{{"name": "get_weather", "arguments": {args}}}\n') + [ids["</tool_call>"]]
+    else:
+        pre = "Let me check."
+        answer = tok.encode_plain(pre) + [ids["<|python_tag|>"]] + \
+            tok.encode_plain(f'{{"name": "get_weather", "parameters": {args}}}')
+    whole = S.parse_answer(fam, toolset, answer, tok)
+    assert whole[0] == "Let me check." and [(c.name, c.arguments) for c in whole[1]] == [("get_weather", args)]
+    for step in (1, 2, 3, 7, len(answer)):
+        pushes, last = streamed(fam, toolset, tok, answer, step)
+        content, calls = S.assemble([e for p in pushes for e in p] + last)
+        assert (content, [(c.name, c.arguments) for c in calls]) == (whole[0], [(c.name, c.arguments)
+                                                                           for c in whole[1]]), step
+    pushes, last = streamed(fam, toolset, tok, answer, 1)
+    kinds = [[e[0] for e in p] for p in pushes]
+    first_call = next(i for i, k in enumerate(kinds) if "call" in k)
+    assert "content" not in [e[0] for p in pushes[first_call:] for e in p] + [e[0] for e in last]
+    fragments = [e[2] for p in pushes for e in p if e[0] == "args"]
+    assert len(fragments) == len(args) and "".join(fragments) == args  # one byte per token: one per push
+    assert not [e for e in last if e[0] != "content"]  # nothing of the call waited for the end
+
+
+def test_a_fence_waits_for_its_close_and_text_with_backticks_stays_content():
+    toolset = T.tool_set(TOOLS, "auto")
+    call = '{"name": "get_time", "arguments": {"tz": 2}}'
+    for text, want in [("Use `ls` here.", ("Use `ls` here.", [])),
+                       ("Run ```bash\nls\n``` ok", ("Run ```bash\nls\n``` ok", [])),
+                       (f"Sure.\n```json\n{call}\n```\nDone", ("Sure.\n\nDone", [("get_time", '{"tz": 2}')])),
+                       (f"<tool_call>\n{{\"arguments\": {{\"tz\": 2}}, \"name\": \"get_time\"}}\n</tool_call>",
+                        (None, [("get_time", '{"tz": 2}')])),
+                       ("a <tool_call>\nnot json\n</tool_call>", ("a <tool_call>\nnot json\n</tool_call>", []))]:
+        scanner, events = S.CallScanner(T.HERMES, toolset, None), []
+        for ch in text:
+            events += scanner.push(ch)
+            held = "".join(e[1] for e in events if e[0] == "content")
+            assert text.startswith(held) or want[1]  # content never runs ahead of the text
+        content, calls = S.assemble(events + scanner.finish())
+        assert (content, [(c.name, c.arguments) for c in calls]) == want, text
+        assert S.parse_text(T.HERMES, toolset, text, None)[0] == want[0]
+
+
+def test_only_the_first_call_without_parallel_calls():
+    toolset = T.tool_set(TOOLS, "auto", parallel=False)
+    one = '<tool_call>\n{"name": "get_time", "arguments": {"tz": 2}}\n</tool_call>'
+    content, calls = hermes(toolset, one + "\n" + one.replace("2", "3"))
+    assert content is None and [c.arguments for c in calls] == ['{"tz": 2}']
 
 
 def test_llama_auto_opens_a_call_only_at_the_answers_first_token(family):

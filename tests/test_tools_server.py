@@ -85,14 +85,25 @@ def test_streamed_calls_assemble_into_the_non_streaming_answer(client, server):
     assert streamed.finish_reason == "tool_calls"
     got = [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls]
     assert got == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    # OpenAI's chunk order: the call's index, id, type and name first, then argument fragments.
-    chunks = [json.loads(line[6:]) for line in httpx.post(server + "/v1/chat/completions", json={**kw, "stream": True},
-                                                          timeout=120).text.split("\n\n")
-              if line.startswith("data: {")]
+    # Manual accumulation of the deltas, as agent code does it.
+    acc = {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for part in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            entry = acc.setdefault(part.index, {"id": part.id, "name": part.function.name, "arguments": ""})
+            entry["arguments"] += part.function.arguments or ""
+    assert [(e["name"], e["arguments"]) for e in acc.values()] == got and acc[0]["id"]
+    # OpenAI's chunk order: the call's index, id, type and name first, then argument fragments as
+    # the model writes them (without speculation one token, here one byte, per step: one per chunk).
+    args = whole.message.tool_calls[0].function.arguments
+    lines = httpx.post(server + "/v1/chat/completions", json={**kw, "stream": True, "speculative": False},
+                       timeout=120).text.split("\n\n")
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     parts = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
-    assert parts[0]["id"] and parts[0]["function"]["name"] == whole.message.tool_calls[0].function.name
-    assert all("id" not in p and set(p["function"]) == {"arguments"} for p in parts[1:]) and len(parts) >= 2
-    assert "".join(p["function"]["arguments"] for p in parts) == whole.message.tool_calls[0].function.arguments
+    assert parts[0]["id"] and parts[0]["function"] == {"name": whole.message.tool_calls[0].function.name,
+                                                       "arguments": ""}
+    assert all("id" not in p and set(p["function"]) == {"arguments"} for p in parts[1:])
+    assert "".join(p["function"]["arguments"] for p in parts) == args
+    assert len(parts) - 1 == len(args)
 
 
 def test_a_tool_loop_through_the_openai_client(client):

@@ -1,5 +1,6 @@
 """Tool calling in the model's own format: the request's tools, the family of call format the chat
-template declares, the grammar a call must follow, and the parser that turns an answer into calls.
+template declares, and the grammar a call must follow (the answer is read back as calls by
+`tool_scan.py`).
 
 A `ToolSet` is a checked request (`tools`, `tool_choice`, `parallel_tool_calls`). The family is
 chosen from the chat template's text, never from the model's name (`family_of`):
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 
 import torch
@@ -323,85 +323,3 @@ def _history_call(i: int, j: int, call: object, seen: set) -> dict:
         raise InvalidRequestError(f"{param}.function.arguments: a JSON object as text", f"{param}.function.arguments")
     seen.add(call["id"])
     return {"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": value}}
-
-
-# -- parsing answers --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text, as OpenAI returns it
-
-    def as_dict(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def _valid(tool: Tool, args: object) -> bool:
-    if not isinstance(args, dict):
-        return False
-    try:
-        import jsonschema
-    except ImportError:  # without the validator: the schema's required keys at least
-        return all(key in args for key in tool.parameters.get("required", []))
-    try:
-        jsonschema.validate(args, tool.parameters)
-    except (jsonschema.ValidationError, jsonschema.SchemaError):
-        return False
-    return True
-
-
-def _call(toolset: ToolSet, family: Family, text: str, exact: bool) -> ToolCall | None:
-    """A call from one JSON object's text: a callable tool's name and its arguments (valid for the
-    tool's schema when `exact`: the fenced-block rule), else None."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or set(value) != {"name", family.args}:
-        return None
-    tool = next((t for t in toolset.callable if t.name == value["name"]), None)
-    args = value[family.args]
-    if tool is None or not isinstance(args, dict) or (exact and not _valid(tool, args)):
-        return None
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", tool.name, json.dumps(args, ensure_ascii=False))
-
-
-_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-_FENCED = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n?```", re.S)
-
-
-def _hermes(toolset: ToolSet, text: str) -> tuple[str, list[ToolCall]]:
-    # Calls only after a reasoning block (Qwen3's <think>...</think>), which stays content.
-    think_end = text.rfind("</think>")
-    head, body = (text[: think_end + 8], text[think_end + 8:]) if think_end >= 0 else ("", text)
-    calls, rest = [], []
-    for pattern, exact in ((_TAGGED, False), (_FENCED, True)):
-        last = 0
-        for m in pattern.finditer(body):
-            call = _call(toolset, HERMES, m.group(1), exact)
-            if call is not None:
-                calls.append(call)
-                rest.append(body[last: m.start()])
-                last = m.end()
-        if calls:
-            rest.append(body[last:])
-            return head + "".join(rest), calls
-    return text, []
-
-
-def parse_answer(family: Family, toolset: ToolSet, ids: list[int], tokenizer) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of an answer's token ids; content None when only calls remain."""
-    if family is LLAMA3:
-        tag = tokenizer.encode_plain(LLAMA3.opening)
-        start = ids.index(tag[0]) + 1 if len(tag) == 1 and tag[0] in ids else 0
-        text = tokenizer.decode(ids[start:]).strip()
-        call = _call(toolset, LLAMA3, text, False) if text.startswith("{") else None
-        content, calls = (tokenizer.decode(ids[: max(0, start - 1)]), [call]) if call else (tokenizer.decode(ids), [])
-    else:
-        content, calls = _hermes(toolset, tokenizer.decode(ids))
-    if not toolset.parallel:
-        calls = calls[:1]
-    content = content.strip() if calls else content
-    return (content or None) if calls else content, calls

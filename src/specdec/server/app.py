@@ -531,16 +531,20 @@ def create_app(settings: ServerSettings,
                 if delta.finish_reason == "error":
                     yield sse(fault_body(delta.error))
                     break
-                text = delta.text if calls is None else calls.push(delta.text, delta.token_ids)
-                if text or delta.logprobs:
-                    yield sse({**head, "choices": [{"index": 0, "delta": {"content": text},
-                                                    "logprobs": logprobs_of(delta.logprobs),
+                # A tool turn's deltas: content, a call's head, its argument fragments (toolapi).
+                parts = calls.push(delta.text, delta.token_ids) if calls is not None else \
+                    [{"content": delta.text}] if delta.text else []
+                if delta.logprobs and not parts:
+                    parts = [{"content": ""}]
+                for n, part in enumerate(parts):
+                    yield sse({**head, "choices": [{"index": 0, "delta": part,
+                                                    "logprobs": logprobs_of(delta.logprobs) if n == 0 else None,
                                                     "finish_reason": None}], **extra})
                 if delta.finish_reason:
                     finish = delta.finish_reason
                     if calls is not None:
-                        rest, chunks, finish = calls.finish(finish)
-                        for part in ([{"content": rest}] if rest else []) + [{"tool_calls": [c]} for c in chunks]:
+                        parts, finish = calls.finish(finish)
+                        for part in parts:
                             yield sse({**head, "choices": [{"index": 0, "delta": part, "logprobs": None,
                                                             "finish_reason": None}], **extra})
                     yield sse({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
