@@ -126,6 +126,30 @@ def test_bad_tools_are_request_errors():
     assert info.value.param == "messages[1].tool_call_id"
 
 
+def test_strict_tools_need_a_schema_strict_mode_can_honour():
+    def strict(params):
+        return [{"type": "function", "function": {"name": "f", "strict": True, "parameters": params}}]
+
+    exact = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": ["string", "null"]}},
+                                                    "required": ["b"], "additionalProperties": False},
+                                              "c": {"type": "array", "items": {"anyOf": [{"type": "integer"}]}}},
+             "required": ["a", "c"], "additionalProperties": False}
+    assert T.tool_set(strict(exact), "auto").tools[0].strict
+    nested = json.loads(json.dumps(exact))
+    del nested["properties"]["a"]["additionalProperties"]
+    cases = [({"type": "string"}, "root"), ({**exact, "additionalProperties": True}, "additionalProperties"),
+             ({**exact, "required": ["a"]}, "'c' is not"), (nested, "parameters.properties.a: an object"),
+             ({**exact, "properties": {**exact["properties"], "d": {"oneOf": []}}, "required": ["a", "c", "d"]},
+              "'oneOf'")]
+    for params, why in cases:
+        with pytest.raises(InvalidRequestError) as info:
+            T.tool_set(strict(params), "auto")
+        assert info.value.param == "tools[0].function.parameters" and why in str(info.value), (params, str(info.value))
+    # Not strict: the same schemas are taken (a call follows them as the grammar engine reads them).
+    assert not T.tool_set([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+                          ).tools[0].strict
+
+
 def test_a_schema_the_grammar_engine_refuses_is_a_400(family):
     _, _, _, engine = family
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "(?=a)b"}}}

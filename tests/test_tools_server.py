@@ -146,6 +146,8 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}},
      "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}]}, "tools[0].function.parameters"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
 ]
 

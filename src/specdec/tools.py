@@ -15,12 +15,19 @@ chosen from the chat template's text, never from the model's name (`family_of`):
   skips special tokens.
 
 Constraints (the grammar machinery of `structured.py`, so a forbidden draft token is a rejection):
-`tool_choice` "required", a named function, or any tool with `strict: true` constrains the answer
-from its first token to the family's wrapper around a call whose JSON is valid for one tool. Under
-"auto" the constraint is lazy (`LazyToolGrammar`): free text until the family's opening token, then
-the call grammar from the token after it (for Llama also from the answer's first token when that
-token begins a call's JSON: an answer that starts as a call is one); within a drafted block the opening may come at any
+`tool_choice` "required" or a named function constrains the answer from its first token to the
+family's wrapper around a call whose JSON is valid for one tool. Under "auto" the constraint is lazy
+(`LazyToolGrammar`): free text until the family's opening token, then the call grammar from the
+token after it (for Llama also from the answer's first token when that token begins a call's JSON:
+an answer that starts as a call is one); within a drafted block the opening may come at any
 position, and every later position of that block is masked as the call grammar says.
+
+`strict`: every call, strict or not, follows its tool's schema once begun (stricter than OpenAI,
+whose non-strict calls follow nothing), as the grammar engine reads the schema. `strict: true`
+adds OpenAI's strict-mode rules (`strict_problem`): the schema must say exactly which keys the
+arguments hold (every object `additionalProperties: false` with all its properties required) and
+use only keywords strict mode takes, else a 400 saying why; and where "auto" cannot constrain a
+call (an opening that is not one token) a strict tool is a 400 rather than parsed unconstrained.
 """
 
 from __future__ import annotations
@@ -111,7 +118,58 @@ def _tool(i: int, item: object) -> Tool:
     strict = fn.get("strict") or False
     if not isinstance(strict, bool):
         raise InvalidRequestError(f"{param}.function.strict: true or false", f"{param}.function.strict")
+    if strict:
+        problem = strict_problem(parameters)
+        if problem is not None:
+            raise InvalidRequestError(f"{param}.function.parameters: strict mode cannot honour this schema: {problem}",
+                                      f"{param}.function.parameters")
     return Tool(name, description, parameters, strict)
+
+
+# OpenAI's strict mode: the keywords it does not take, and its size limits.
+_STRICT_UNSUPPORTED = ("allOf", "oneOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+                       "patternProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+                       "minProperties", "maxProperties", "contains", "minContains", "maxContains", "uniqueItems")
+STRICT_DEPTH, STRICT_PROPERTIES = 10, 5000
+
+
+def strict_problem(schema: dict) -> str | None:
+    """Why strict mode (OpenAI's definition) cannot honour a tool's parameters, or None: the root is
+    an object; every object lists all its properties in `required` and says `additionalProperties:
+    false` (so the arguments hold exactly the schema's keys); none of the keywords strict mode does
+    not take; at most STRICT_DEPTH levels of objects and STRICT_PROPERTIES properties."""
+    if schema.get("type") != "object":
+        return 'the root must be {"type": "object"}'
+    stack, count = [(schema, "parameters", 1)], 0
+    while stack:
+        node, where, depth = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        bad = next((k for k in _STRICT_UNSUPPORTED if k in node), None)
+        if bad is not None:
+            return f"{where}: {bad!r} is not supported in strict mode"
+        props = node.get("properties")
+        if node.get("type") == "object" or isinstance(props, dict):
+            props = props if isinstance(props, dict) else {}
+            if node.get("additionalProperties") is not False:
+                return f"{where}: an object needs \"additionalProperties\": false"
+            missing = [k for k in props if k not in (node.get("required") or [])]
+            if missing:
+                return f"{where}: every property must be required (use a null type for an optional one); " \
+                       f"{missing[0]!r} is not"
+            if depth > STRICT_DEPTH:
+                return f"{where}: more than {STRICT_DEPTH} levels of nested objects"
+            count += len(props)
+            if count > STRICT_PROPERTIES:
+                return f"more than {STRICT_PROPERTIES} properties"
+            stack += [(v, f"{where}.properties.{k}", depth + 1) for k, v in props.items()]
+        for key in ("items", "additionalItems"):
+            stack.append((node.get(key), f"{where}.{key}", depth))
+        for key in ("anyOf", "prefixItems"):
+            stack += [(v, f"{where}.{key}[{i}]", depth) for i, v in enumerate(node.get(key) or [])]
+        for key in ("$defs", "definitions"):
+            stack += [(v, f"{where}.{key}.{k}", depth) for k, v in (node.get(key) or {}).items()]
+    return None
 
 
 def tool_set(tools: object, tool_choice: object = None, parallel: object = None) -> ToolSet | None:
@@ -280,7 +338,13 @@ def constraint(family: Family, toolset: ToolSet, tokenizer) -> ToolConstraint | 
     if toolset.constrained:
         return ToolConstraint(family, toolset, None, marks)
     ids = tokenizer.encode_plain(family.opening)
-    return ToolConstraint(family, toolset, ids[0], marks) if len(ids) == 1 else None
+    if len(ids) == 1:
+        return ToolConstraint(family, toolset, ids[0], marks)
+    if any(t.strict for t in toolset.tools):
+        raise InvalidRequestError(f"strict tools under tool_choice \"auto\" need the call opening {family.opening} "
+                                  "to be one token of this model's tokenizer, so that a call can be constrained "
+                                  "from it; it is not", "tools")
+    return None
 
 
 # -- history ----------------------------------------------------------------------------------
