@@ -159,6 +159,40 @@ def test_a_schema_the_grammar_engine_refuses_is_a_400(family):
     assert info.value.param == "tools"
 
 
+def test_a_pattern_past_the_budget_is_a_400_at_compile_not_a_failed_row(family, monkeypatch):
+    """The grammar engine builds a string pattern's lexer only when a call reaches the string: each
+    pattern is probed on its own at compile. Under a small lexer budget a pattern that the call's
+    own probe passes (its lexer is not built at the call's first token) is refused at compile."""
+    from llguidance import LLParserLimits
+
+    from specdec import structured
+
+    _, _, _, engine = family
+    fam = T.family_of(engine.tokenizer.chat_template)
+    engine.compile_structured(T.constraint(fam, T.tool_set(TOOLS, "required"), engine.tokenizer))  # tokens built
+    monkeypatch.setattr(structured, "_limits", lambda: LLParserLimits(verbose_errors=False, step_lexer_fuel=300))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "[ab]*a[ab]{30}"}}, "required": ["a"]}}}
+    toolset = T.tool_set([TIME, tool], "required")
+    constraint = T.constraint(fam, toolset, engine.tokenizer)
+    with pytest.raises(InvalidRequestError) as info:
+        engine.compile_structured(constraint)
+    assert info.value.param == "tools[1].function.parameters.properties.a.pattern"
+    assert "gave up" in str(info.value)
+    # Without the probe the call compiles, and fails only once generation reaches the string.
+    state = structured.compile_spec(structured.StructuredSpec("grammar", T.call_grammar(fam, toolset, False,
+                                                                                        constraint.marks)),
+                                    engine._grammar_tokens, constraint.marks or ())
+    with pytest.raises(InvalidRequestError):
+        state.advance(engine.tokenizer.encode_plain('<tool_call>\n{"name": "f", "arguments": {"a": "'
+                                                    if fam is T.HERMES else '{"name": "f", "parameters": {"a": "'))
+        state._mask()
+    # A tool without a pattern under the same budget, and the same pattern at the default budget: fine.
+    engine.compile_structured(T.constraint(fam, T.tool_set([TIME], "required"), engine.tokenizer))
+    monkeypatch.undo()
+    engine.compile_structured(constraint)
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_constrained_calls_are_valid_for_many_seeds(family, choice):
     _, _, _, engine = family

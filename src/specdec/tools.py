@@ -323,7 +323,32 @@ class ToolConstraint:
         lazy = self.trigger is not None
         grammar = call_grammar(self.family, self.toolset, lazy, self.marks)
         state = compile_spec(StructuredSpec("grammar", grammar, self.param), tokens, self.marks or ())
+        # The grammar engine builds a string pattern's lexer when a call reaches it, deep inside the
+        # call, past `compile_spec`'s one-token probe: each pattern gets that probe on its own (a
+        # string of it, one token in and back), so one past the budget is a 400 here, not a failed row.
+        for i, tool in enumerate(self.toolset.tools):
+            if tool in self.toolset.callable:
+                for where, pattern in _patterns(tool.parameters, f"tools[{i}].function.parameters"):
+                    compile_spec(StructuredSpec("json", {"type": "string", "pattern": pattern}, where), tokens)
         return LazyToolGrammar(state, self.trigger, tokens.vocab, self.family is LLAMA3) if lazy else state
+
+
+_VALUES = ("const", "enum", "default", "examples")  # keywords whose values are data, not schemas
+
+
+def _patterns(schema: object, where: str) -> list[tuple[str, str]]:
+    """(field path, pattern) of every string `pattern` in a schema."""
+    out, stack = [], [(schema, where)]
+    while stack:
+        node, at = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                out.append((f"{at}.pattern", node["pattern"]))
+            stack += [(v, f"{at}.{k}") for k, v in node.items()
+                      if isinstance(v, (dict, list)) and k not in _VALUES]
+        elif isinstance(node, list):
+            stack += [(v, f"{at}[{j}]") for j, v in enumerate(node)]
+    return out
 
 
 def constraint(family: Family, toolset: ToolSet, tokenizer) -> ToolConstraint | None:
