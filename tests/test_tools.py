@@ -15,6 +15,7 @@ from specdec import Engine, SamplingParams
 from specdec import tool_scan as S
 from specdec import tools as T
 from specdec.drafters import DraftModelDrafter, NgramDrafter, SuffixDrafter
+from specdec.drafters.base import DrafterBase, Proposal
 from specdec.errors import InvalidRequestError
 
 from tool_models import make_tool_model
@@ -246,6 +247,53 @@ def test_greedy_identity_with_every_drafter(family, choice):
         assert got.token_ids == want.token_ids, drafter.name
         accepted += got.stats.accepted_tokens
     assert accepted > 20
+
+
+class Silent(DrafterBase):
+    """A drafter with no guesses, counting its asks: every accepted draft is a forced one."""
+
+    name = "silent"
+
+    def __init__(self):
+        self.asked = 0
+
+    def propose(self, context, k):
+        self.asked += 1
+        return Proposal([])
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather", "auto", "response_format"])
+def test_forced_tokens_are_drafted_and_greedy_output_is_unchanged(family, choice, monkeypatch):
+    """The grammar's forced tokens (the call's skeleton, a named function's name, required keys)
+    drafted as one-hot drafts: greedy output equals plain constrained decoding, with and without
+    them; with them the target runs fewer forwards, and the drafter is not asked at those steps."""
+    from specdec import step
+
+    name, folder, ids, engine = family
+    tool_choice = {"type": "function", "function": {"name": choice}} if choice == "get_weather" else choice
+    toolset = T.tool_set(TOOLS, "required" if choice == "response_format" else tool_choice, parallel=False)
+    fam = T.family_of(engine.tokenizer.chat_template)
+    constraint = T.constraint(fam, toolset, engine.tokenizer)
+    if choice == "response_format":
+        constraint = {"json": SCHEMAS["get_weather"]}
+    opening = ids["<tool_call>"] if name == "qwen" else engine.tokenizer.encode_plain("{")[0]
+    params = SamplingParams(logit_bias=((opening, 9.0),)) if choice == "auto" else SamplingParams()
+    prompt = render(engine, toolset)
+    kw = dict(prompt_ids=prompt, max_new_tokens=80, structured=constraint, sampling=params)
+    want = engine.generate(**kw, speculative=False)
+    silent = Silent()
+    spec = Engine(engine.model, engine.tokenizer, drafter=silent, num_speculative_tokens=4, draft_length="fixed")
+    got = spec.generate(**kw)
+    assert got.token_ids == want.token_ids
+    assert got.stats.accepted_tokens >= 15 and got.stats.target_forwards < len(got.token_ids) - 15
+    assert silent.asked < got.stats.target_forwards  # forced steps did not ask the drafter
+    monkeypatch.setattr(step, "forced_tokens", lambda row, cap: [])
+    without = spec.generate(**kw)
+    assert without.token_ids == want.token_ids and without.stats.accepted_tokens == 0
+    # With a drafter that has guesses of its own too.
+    ngram = Engine(engine.model, engine.tokenizer, drafter=NgramDrafter(), num_speculative_tokens=4)
+    monkeypatch.undo()
+    assert ngram.generate(**kw).token_ids == want.token_ids
 
 
 def test_lazy_masks_follow_the_call_grammar_after_a_drafted_opening(family):

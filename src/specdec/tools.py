@@ -297,6 +297,9 @@ class LazyToolGrammar:
             out[rows] = self.scratch.masks(tails)
         return out
 
+    def forced(self) -> list[int]:
+        return self.active.forced() if self.active is not None else []
+
     def advance(self, tokens: list[int]) -> None:
         if self.active is None:
             tail = self._call_of(tokens)
