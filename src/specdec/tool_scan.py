@@ -225,19 +225,14 @@ class CallScanner:
         return len(self.text)
 
     def _llama_text(self, out: list) -> bool:
-        # A bare JSON call only as the answer's first non-blank character.
-        if self.calls or self.text[: self.pos].strip(_BLANK):
-            self._content(self.text[self.pos:], out)
-            self.pos = len(self.text)
-            return False
-        first = _skip(self.text, self.pos)
-        if first >= len(self.text):
-            self._content(self.text[self.pos:], out)
-            self.pos = len(self.text)
-            return False
-        if self.text[first] == "{":
-            self._open(self.pos, first, "head")
-            return True
+        # A bare JSON call only as the answer's first non-blank character (blanks before it held).
+        if not (self.calls or self.emitted):
+            first = _skip(self.text, self.pos)
+            if first >= len(self.text):
+                return False
+            if self.text[first] == "{":
+                self._open(self.pos, first, "head")
+                return True
         self._content(self.text[self.pos:], out)
         self.pos = len(self.text)
         return False
