@@ -332,11 +332,17 @@ def test_lazy_masks_follow_the_call_grammar_after_a_drafted_opening(family):
     assert torch.equal(lazy.masks([[]])[0], fresh._mask())
 
 
-def test_sampled_calls_with_drafting_follow_plain_constrained_sampling(family):
-    """Two-sample chi-square: the argument a named call samples at temperature 1, with an n-gram
-    drafter drafting the call's forced skeleton from the prompt, against plain constrained
-    sampling (the distribution speculation must keep)."""
+def test_sampled_calls_with_drafting_follow_plain_constrained_sampling(family, monkeypatch):
+    """Two-sample chi-square: the argument a named call samples at temperature 1, with the call's
+    forced skeleton drafted as forced tokens and an n-gram drafter drafting the choice from the
+    prompt, against plain constrained sampling (the distribution speculation must keep)."""
     from scipy.stats import chi2_contingency
+
+    from specdec import step
+
+    forced_steps, forced_tokens = [], step.forced_tokens
+    monkeypatch.setattr(step, "forced_tokens", lambda row, cap: (f := forced_tokens(row, cap)) and
+                        (forced_steps.append(len(f)) or f))
 
     name, _, _, engine = family
     if name != "qwen":
@@ -362,7 +368,7 @@ def test_sampled_calls_with_drafting_follow_plain_constrained_sampling(family):
             drafted += out.stats.accepted_tokens
     cells = sorted(set(counts[True]) | set(counts[False]))
     table = [[counts[s].get(c, 0) for c in cells] for s in (True, False)]
-    assert len(cells) >= 2 and drafted > n * 10
+    assert len(cells) >= 2 and drafted > n * 10 and len(forced_steps) >= n  # forced drafts at least once a call
     assert chi2_contingency(table)[1] > 1e-3, table
 
 
