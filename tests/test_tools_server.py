@@ -159,6 +159,29 @@ def test_bad_tool_input_is_a_400_naming_the_field(server, extra, param):
     assert res.json()["error"]["param"] == param, res.json()
 
 
+def test_a_pattern_past_the_budget_is_a_400_beside_a_running_stream(client, server, monkeypatch):
+    """Under a small lexer budget a tool pattern the call grammar's probe cannot see is refused in
+    the handler (its own probe), while a call already streaming goes on to the same answer."""
+    from llguidance import LLParserLimits
+
+    from specdec import structured
+
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=120, temperature=0)
+    want = client.chat.completions.create(**kw).choices[0].message.tool_calls[0].function.arguments
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "[ab]*a[ab]{30}"}}, "required": ["a"]}}}
+    with client.chat.completions.stream(**kw) as stream:
+        next(iter(stream))  # under way, its grammar compiled at the default budget
+        monkeypatch.setattr(structured, "_limits", lambda: LLParserLimits(verbose_errors=False, step_lexer_fuel=300))
+        bad = post(server, {"messages": ASK, "max_tokens": 20, "tools": [tool], "tool_choice": "required"})
+        monkeypatch.undo()
+        final = stream.get_final_completion().choices[0]
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"] == "tools[0].function.parameters.properties.a.pattern"
+    assert final.message.tool_calls[0].function.arguments == want
+
+
 def test_an_auto_call_is_valid_and_streams_as_the_whole_answer(client, server):
     """Under "auto" a logit bias on <tool_call> makes the random model open a call: the lazy
     constraint keeps the call valid, speculation on and off give the same answer, and the stream
