@@ -394,27 +394,28 @@ def test_a_stream_sends_text_then_the_call_head_then_its_arguments_as_written(fa
     fam = T.family_of(tok.chat_template)
     args = '{"city": "Paris", "unit": "c"}'
     if name == "qwen":
-        pre = "Let me check.\n"
-        answer = tok.encode_plain(pre) + [ids["<tool_call>"]] + \
-            tok.encode_plain(f'\n{{"name": "get_weather", "arguments": {args}}}\n') + [ids["</tool_call>"]]
-    else:
-        pre = "Let me check."
-        answer = tok.encode_plain(pre) + [ids["<|python_tag|>"]] + \
-            tok.encode_plain(f'{{"name": "get_weather", "parameters": {args}}}')
-    whole = S.parse_answer(fam, toolset, answer, tok)
-    assert whole[0] == "Let me check." and [(c.name, c.arguments) for c in whole[1]] == [("get_weather", args)]
-    for step in (1, 2, 3, 7, len(answer)):
-        pushes, last = streamed(fam, toolset, tok, answer, step)
-        content, calls = S.assemble([e for p in pushes for e in p] + last)
-        assert (content, [(c.name, c.arguments) for c in calls]) == (whole[0], [(c.name, c.arguments)
-                                                                           for c in whole[1]]), step
-    pushes, last = streamed(fam, toolset, tok, answer, 1)
-    kinds = [[e[0] for e in p] for p in pushes]
-    first_call = next(i for i, k in enumerate(kinds) if "call" in k)
-    assert "content" not in [e[0] for p in pushes[first_call:] for e in p] + [e[0] for e in last]
-    fragments = [e[2] for p in pushes for e in p if e[0] == "args"]
-    assert len(fragments) == len(args) and "".join(fragments) == args  # one byte per token: one per push
-    assert not [e for e in last if e[0] != "content"]  # nothing of the call waited for the end
+        call = tok.encode_plain(f'\n{{"name": "get_weather", "arguments": {args}}}\n')
+        answers = [(tok.encode_plain("Let me check.\n") + [ids["<tool_call>"]] + call + [ids["</tool_call>"]],
+                    "Let me check.")]
+    else:  # after <|python_tag|>, and a bare JSON answer
+        call = tok.encode_plain(f'{{"name": "get_weather", "parameters": {args}}}')
+        answers = [(tok.encode_plain("Let me check.") + [ids["<|python_tag|>"]] + call, "Let me check."),
+                   (tok.encode_plain(" ") + call, None)]
+    for answer, content_before in answers:
+        whole = S.parse_answer(fam, toolset, answer, tok)
+        assert whole[0] == content_before and [(c.name, c.arguments) for c in whole[1]] == [("get_weather", args)]
+        for step in (1, 2, 3, 7, len(answer)):
+            pushes, last = streamed(fam, toolset, tok, answer, step)
+            content, calls = S.assemble([e for p in pushes for e in p] + last)
+            assert (content, [(c.name, c.arguments) for c in calls]) == (whole[0], [(c.name, c.arguments)
+                                                                               for c in whole[1]]), step
+        pushes, last = streamed(fam, toolset, tok, answer, 1)
+        kinds = [[e[0] for e in p] for p in pushes]
+        first_call = next(i for i, k in enumerate(kinds) if "call" in k)
+        assert "content" not in [e[0] for p in pushes[first_call:] for e in p] + [e[0] for e in last]
+        fragments = [e[2] for p in pushes for e in p if e[0] == "args"]
+        assert len(fragments) == len(args) and "".join(fragments) == args  # one byte per token: one per push
+        assert not [e for e in last if e[0] != "content"]  # nothing of the call waited for the end
 
 
 def test_a_fence_waits_for_its_close_and_text_with_backticks_stays_content():
