@@ -424,7 +424,7 @@ def test_a_fence_waits_for_its_close_and_text_with_backticks_stays_content():
     for text, want in [("Use `ls` here.", ("Use `ls` here.", [])),
                        ("Run ```bash\nls\n``` ok", ("Run ```bash\nls\n``` ok", [])),
                        (f"Sure.\n```json\n{call}\n```\nDone", ("Sure.\n\nDone", [("get_time", '{"tz": 2}')])),
-                       (f"<tool_call>\n{{\"arguments\": {{\"tz\": 2}}, \"name\": \"get_time\"}}\n</tool_call>",
+                       ('<tool_call>\n{"arguments": {"tz": 2}, "name": "get_time"}\n</tool_call>',
                         (None, [("get_time", '{"tz": 2}')])),
                        ("a <tool_call>\nnot json\n</tool_call>", ("a <tool_call>\nnot json\n</tool_call>", []))]:
         scanner, events = S.CallScanner(T.HERMES, toolset, None), []
