@@ -14,7 +14,8 @@ rejection.
 A row with a drafter (speculation on), drafting a chain, whose grammar forces at least one token,
 drafts those this step instead of asking its drafter (so the drafter's state and the draft-length
 rule's estimates are not touched: its proposal is neither made nor heard back, `Block.source` is
-`FORCED`); the drafter is asked again at the next step. The length is capped by the row's token
+`FORCED`); the drafter is asked again at the next step. They do count in the row's `Stats`
+(drafted and accepted tokens), like any draft the target verified. The length is capped by the row's token
 allowance, the batch's load cap, and the cache room every step may write into: the larger of the
 row's own (`DraftController.room`) and `PREDICTION_K_MAX`, which the server's cache holds past
 every row for prediction rows (a lone row's cache, `Engine.generate`, holds its whole allowance).
