@@ -3,8 +3,11 @@ template, the parsers on what each family's real template renders (Qwen2.5's her
 think blocks, Qwen2.5-Coder's fenced JSON, Llama 3.1's JSON and <|python_tag|>), constrained calls
 valid for many seeds, greedy output identical with speculation on and off for every drafter
 (required, named and the lazy "auto" constraint), the lazy masks against a fresh grammar, and a
-two-sample chi-square test of sampled calls with a drafter against plain constrained sampling. On
-tiny random models carrying the real Qwen2.5 and Llama 3.1 templates (tests/templates)."""
+two-sample chi-square test of sampled calls with a drafter against plain constrained sampling; the
+call scanner pushed in every split assembling into the whole answer (tool_scan), strict mode's
+schema rules, the per-pattern compile probe, and forced-token drafts (greedy identity with and
+without them). On tiny random models carrying the real Qwen2.5 and Llama 3.1 templates
+(tests/templates)."""
 
 import json
 

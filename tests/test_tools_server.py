@@ -1,6 +1,7 @@
 """Tool calling over /v1/chat/completions (server/toolapi.py): calls as `message.tool_calls` with
 OpenAI's finish reasons, streamed chunks that the official `openai` client's stream helper
-assembles into the call the non-streaming answer holds, a tool loop through the client (history
+assembles into the call the non-streaming answer holds (and manual accumulation, one argument
+fragment per generated token, strict tools through the helper's parsing), a tool loop through the client (history
 with assistant calls and tool results), a 400 naming the field for each bad input, and two agent
 frameworks from PyPI with tool_choice="required": the OpenAI Agents SDK (its chat-completions
 model) runs a function tool, LangChain's `ChatOpenAI.bind_tools` returns a valid call. On the tiny
@@ -104,6 +105,27 @@ def test_streamed_calls_assemble_into_the_non_streaming_answer(client, server):
     assert all("id" not in p and set(p["function"]) == {"arguments"} for p in parts[1:])
     assert "".join(p["function"]["arguments"] for p in parts) == args
     assert len(parts) - 1 == len(args)
+
+
+def test_strict_tools_stream_through_the_clients_parsing_helper(client):
+    """Strict tools: the openai stream helper parses the growing arguments (its partial-JSON events)
+    and the final call's parsed arguments, which strict mode's schema holds exactly."""
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+    kw = dict(model="tiny", messages=ASK, tools=strict, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=200, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    growing = []
+    with client.chat.completions.stream(**kw) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                growing.append(event.arguments)
+        final = stream.get_final_completion().choices[0]
+    call = final.message.tool_calls[0]
+    assert call.function.arguments == whole.message.tool_calls[0].function.arguments
+    assert call.function.parsed_arguments == json.loads(call.function.arguments)
+    valid(call)
+    assert len(growing) > 1 and all(b.startswith(a) for a, b in zip(growing, growing[1:]))
+    assert growing[-1] == call.function.arguments
 
 
 def test_a_tool_loop_through_the_openai_client(client):
