@@ -1,6 +1,7 @@
 """Tool calling over /v1/chat/completions (server/toolapi.py): calls as `message.tool_calls` with
 OpenAI's finish reasons, streamed chunks that the official `openai` client's stream helper
-assembles into the call the non-streaming answer holds, a tool loop through the client (history
+assembles into the call the non-streaming answer holds (and manual accumulation, one argument
+fragment per generated token, strict tools through the helper's parsing), a tool loop through the client (history
 with assistant calls and tool results), a 400 naming the field for each bad input, and two agent
 frameworks from PyPI with tool_choice="required": the OpenAI Agents SDK (its chat-completions
 model) runs a function tool, LangChain's `ChatOpenAI.bind_tools` returns a valid call. On the tiny
@@ -85,14 +86,46 @@ def test_streamed_calls_assemble_into_the_non_streaming_answer(client, server):
     assert streamed.finish_reason == "tool_calls"
     got = [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls]
     assert got == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    # OpenAI's chunk order: the call's index, id, type and name first, then argument fragments.
-    chunks = [json.loads(line[6:]) for line in httpx.post(server + "/v1/chat/completions", json={**kw, "stream": True},
-                                                          timeout=120).text.split("\n\n")
-              if line.startswith("data: {")]
+    # Manual accumulation of the deltas, as agent code does it.
+    acc = {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for part in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            entry = acc.setdefault(part.index, {"id": part.id, "name": part.function.name, "arguments": ""})
+            entry["arguments"] += part.function.arguments or ""
+    assert [(e["name"], e["arguments"]) for e in acc.values()] == got and acc[0]["id"]
+    # OpenAI's chunk order: the call's index, id, type and name first, then argument fragments as
+    # the model writes them (without speculation one token, here one byte, per step: one per chunk).
+    args = whole.message.tool_calls[0].function.arguments
+    lines = httpx.post(server + "/v1/chat/completions", json={**kw, "stream": True, "speculative": False},
+                       timeout=120).text.split("\n\n")
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     parts = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
-    assert parts[0]["id"] and parts[0]["function"]["name"] == whole.message.tool_calls[0].function.name
-    assert all("id" not in p and set(p["function"]) == {"arguments"} for p in parts[1:]) and len(parts) >= 2
-    assert "".join(p["function"]["arguments"] for p in parts) == whole.message.tool_calls[0].function.arguments
+    assert parts[0]["id"] and parts[0]["function"] == {"name": whole.message.tool_calls[0].function.name,
+                                                       "arguments": ""}
+    assert all("id" not in p and set(p["function"]) == {"arguments"} for p in parts[1:])
+    assert "".join(p["function"]["arguments"] for p in parts) == args
+    assert len(parts) - 1 == len(args)
+
+
+def test_strict_tools_stream_through_the_clients_parsing_helper(client):
+    """Strict tools: the openai stream helper parses the growing arguments (its partial-JSON events)
+    and the final call's parsed arguments, which strict mode's schema holds exactly."""
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+    kw = dict(model="tiny", messages=ASK, tools=strict, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=200, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    growing = []
+    with client.chat.completions.stream(**kw) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                growing.append(event.arguments)
+        final = stream.get_final_completion().choices[0]
+    call = final.message.tool_calls[0]
+    assert call.function.arguments == whole.message.tool_calls[0].function.arguments
+    assert call.function.parsed_arguments == json.loads(call.function.arguments)
+    valid(call)
+    assert len(growing) > 1 and all(b.startswith(a) for a, b in zip(growing, growing[1:]))
+    assert growing[-1] == call.function.arguments
 
 
 def test_a_tool_loop_through_the_openai_client(client):
@@ -135,6 +168,8 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}},
      "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}]}, "tools[0].function.parameters"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
 ]
 
@@ -144,6 +179,29 @@ def test_bad_tool_input_is_a_400_naming_the_field(server, extra, param):
     res = post(server, {"messages": ASK, "max_tokens": 4, **extra})
     assert res.status_code == 400, res.text
     assert res.json()["error"]["param"] == param, res.json()
+
+
+def test_a_pattern_past_the_budget_is_a_400_beside_a_running_stream(client, server, monkeypatch):
+    """Under a small lexer budget a tool pattern the call grammar's probe cannot see is refused in
+    the handler (its own probe), while a call already streaming goes on to the same answer."""
+    from llguidance import LLParserLimits
+
+    from specdec import structured
+
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=120, temperature=0)
+    want = client.chat.completions.create(**kw).choices[0].message.tool_calls[0].function.arguments
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "[ab]*a[ab]{30}"}}, "required": ["a"]}}}
+    with client.chat.completions.stream(**kw) as stream:
+        next(iter(stream))  # under way, its grammar compiled at the default budget
+        monkeypatch.setattr(structured, "_limits", lambda: LLParserLimits(verbose_errors=False, step_lexer_fuel=300))
+        bad = post(server, {"messages": ASK, "max_tokens": 20, "tools": [tool], "tool_choice": "required"})
+        monkeypatch.undo()
+        final = stream.get_final_completion().choices[0]
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"] == "tools[0].function.parameters.properties.a.pattern"
+    assert final.message.tool_calls[0].function.arguments == want
 
 
 def test_an_auto_call_is_valid_and_streams_as_the_whole_answer(client, server):

@@ -36,6 +36,7 @@ import torch
 
 from .drafters.base import Drafter, Proposal
 from .drafters.combined import LEARNED
+from .forced import FORCED, forced_tokens
 from .verify import TokenTree, TreeVerdict, verify_greedy_best
 
 
@@ -173,10 +174,14 @@ def propose(engine, rows: list, cap: int | list[int] | None, faults: Faults) -> 
     position. A lookup-first row looks up first; where it finds nothing, its learned part joins
     that batched call. A batched call that raises is retried row by row."""
     caps = cap if isinstance(cap, list) else [cap] * len(rows)
-    plans = [faults.run(r, _plan, row, caps[r]) for r, row in enumerate(rows)]
+    forced = [faults.run(r, forced_tokens, row, caps[r]) for r, row in enumerate(rows)]  # forced.py
+    plans = [0 if forced[r] else faults.run(r, _plan, row, caps[r]) for r, row in enumerate(rows)]
     batched = _propose_batched(rows, plans, faults)
     blocks = []
     for r, (row, plan) in enumerate(zip(rows, plans)):
+        if forced[r] and r not in faults:
+            blocks.append(Block(TokenTree.chain(forced[r]), None, FORCED))
+            continue
         if not plan:  # 0, an empty tree, or the row failed
             blocks.append(_empty())
             continue
@@ -396,6 +401,8 @@ def commit(engine, row, r: int, block: Block, verdict: TreeVerdict, hidden: torc
         return keep
     if row.drafter.needs.observes is not None:
         row.drafter.observe(hidden[r, keep])  # lead token + accepted path, in order
+    if block.source == FORCED:  # not the drafter's guess: neither it nor its rule hears back
+        return keep
     row.drafter.feedback(verdict.num_accepted)
     row.control.hear(len(tree), verdict.num_accepted, block.source, forward_s, batch)
     return keep

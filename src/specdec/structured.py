@@ -232,6 +232,19 @@ class GrammarState:
             self.matcher.rollback(len(consumed))
         return out
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next at the committed tokens (its only continuation,
+        tokenised as the tokenizer would; `forced.py` drafts them), up to the first one the
+        engine's masks never allow; [] where nothing is forced."""
+        if self.matcher.is_stopped() or self.matcher.is_error():
+            return []
+        out = []
+        for t in self.matcher.compute_ff_tokens():
+            if t >= self.tokens.vocab or not self.usable[t]:
+                break
+            out.append(t)
+        return out
+
     def advance(self, tokens: list[int]) -> None:
         """Commit emitted tokens (each was allowed by its mask; EOS after the end is a no-op)."""
         for t in tokens:

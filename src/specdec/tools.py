@@ -1,5 +1,6 @@
 """Tool calling in the model's own format: the request's tools, the family of call format the chat
-template declares, the grammar a call must follow, and the parser that turns an answer into calls.
+template declares, and the grammar a call must follow (the answer is read back as calls by
+`tool_scan.py`).
 
 A `ToolSet` is a checked request (`tools`, `tool_choice`, `parallel_tool_calls`). The family is
 chosen from the chat template's text, never from the model's name (`family_of`):
@@ -14,19 +15,25 @@ chosen from the chat template's text, never from the model's name (`family_of`):
   skips special tokens.
 
 Constraints (the grammar machinery of `structured.py`, so a forbidden draft token is a rejection):
-`tool_choice` "required", a named function, or any tool with `strict: true` constrains the answer
-from its first token to the family's wrapper around a call whose JSON is valid for one tool. Under
-"auto" the constraint is lazy (`LazyToolGrammar`): free text until the family's opening token, then
-the call grammar from the token after it (for Llama also from the answer's first token when that
-token begins a call's JSON: an answer that starts as a call is one); within a drafted block the opening may come at any
+`tool_choice` "required" or a named function constrains the answer from its first token to the
+family's wrapper around a call whose JSON is valid for one tool. Under "auto" the constraint is lazy
+(`LazyToolGrammar`): free text until the family's opening token, then the call grammar from the
+token after it (for Llama also from the answer's first token when that token begins a call's JSON:
+an answer that starts as a call is one); within a drafted block the opening may come at any
 position, and every later position of that block is masked as the call grammar says.
+
+`strict`: every call, strict or not, follows its tool's schema once begun (stricter than OpenAI,
+whose non-strict calls follow nothing), as the grammar engine reads the schema. `strict: true`
+adds OpenAI's strict-mode rules (`strict_problem`): the schema must say exactly which keys the
+arguments hold (every object `additionalProperties: false` with all its properties required) and
+use only keywords strict mode takes, else a 400 saying why; and where "auto" cannot constrain a
+call (an opening that is not one token) a strict tool is a 400 rather than parsed unconstrained.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 
 import torch
@@ -111,7 +118,58 @@ def _tool(i: int, item: object) -> Tool:
     strict = fn.get("strict") or False
     if not isinstance(strict, bool):
         raise InvalidRequestError(f"{param}.function.strict: true or false", f"{param}.function.strict")
+    if strict:
+        problem = strict_problem(parameters)
+        if problem is not None:
+            raise InvalidRequestError(f"{param}.function.parameters: strict mode cannot honour this schema: {problem}",
+                                      f"{param}.function.parameters")
     return Tool(name, description, parameters, strict)
+
+
+# OpenAI's strict mode: the keywords it does not take, and its size limits.
+_STRICT_UNSUPPORTED = ("allOf", "oneOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+                       "patternProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+                       "minProperties", "maxProperties", "contains", "minContains", "maxContains", "uniqueItems")
+STRICT_DEPTH, STRICT_PROPERTIES = 10, 5000
+
+
+def strict_problem(schema: dict) -> str | None:
+    """Why strict mode (OpenAI's definition) cannot honour a tool's parameters, or None: the root is
+    an object; every object lists all its properties in `required` and says `additionalProperties:
+    false` (so the arguments hold exactly the schema's keys); none of the keywords strict mode does
+    not take; at most STRICT_DEPTH levels of objects and STRICT_PROPERTIES properties."""
+    if schema.get("type") != "object":
+        return 'the root must be {"type": "object"}'
+    stack, count = [(schema, "parameters", 1)], 0
+    while stack:
+        node, where, depth = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        bad = next((k for k in _STRICT_UNSUPPORTED if k in node), None)
+        if bad is not None:
+            return f"{where}: {bad!r} is not supported in strict mode"
+        props = node.get("properties")
+        if node.get("type") == "object" or isinstance(props, dict):
+            props = props if isinstance(props, dict) else {}
+            if node.get("additionalProperties") is not False:
+                return f"{where}: an object needs \"additionalProperties\": false"
+            missing = [k for k in props if k not in (node.get("required") or [])]
+            if missing:
+                return f"{where}: every property must be required (use a null type for an optional one); " \
+                       f"{missing[0]!r} is not"
+            if depth > STRICT_DEPTH:
+                return f"{where}: more than {STRICT_DEPTH} levels of nested objects"
+            count += len(props)
+            if count > STRICT_PROPERTIES:
+                return f"more than {STRICT_PROPERTIES} properties"
+            stack += [(v, f"{where}.properties.{k}", depth + 1) for k, v in props.items()]
+        for key in ("items", "additionalItems"):
+            stack.append((node.get(key), f"{where}.{key}", depth))
+        for key in ("anyOf", "prefixItems"):
+            stack += [(v, f"{where}.{key}[{i}]", depth) for i, v in enumerate(node.get(key) or [])]
+        for key in ("$defs", "definitions"):
+            stack += [(v, f"{where}.{key}.{k}", depth) for k, v in (node.get(key) or {}).items()]
+    return None
 
 
 def tool_set(tools: object, tool_choice: object = None, parallel: object = None) -> ToolSet | None:
@@ -239,6 +297,9 @@ class LazyToolGrammar:
             out[rows] = self.scratch.masks(tails)
         return out
 
+    def forced(self) -> list[int]:
+        return self.active.forced() if self.active is not None else []
+
     def advance(self, tokens: list[int]) -> None:
         if self.active is None:
             tail = self._call_of(tokens)
@@ -265,7 +326,32 @@ class ToolConstraint:
         lazy = self.trigger is not None
         grammar = call_grammar(self.family, self.toolset, lazy, self.marks)
         state = compile_spec(StructuredSpec("grammar", grammar, self.param), tokens, self.marks or ())
+        # The grammar engine builds a string pattern's lexer when a call reaches it, deep inside the
+        # call, past `compile_spec`'s one-token probe: each pattern gets that probe on its own (a
+        # string of it, one token in and back), so one past the budget is a 400 here, not a failed row.
+        for i, tool in enumerate(self.toolset.tools):
+            if tool in self.toolset.callable:
+                for where, pattern in _patterns(tool.parameters, f"tools[{i}].function.parameters"):
+                    compile_spec(StructuredSpec("json", {"type": "string", "pattern": pattern}, where), tokens)
         return LazyToolGrammar(state, self.trigger, tokens.vocab, self.family is LLAMA3) if lazy else state
+
+
+_VALUES = ("const", "enum", "default", "examples")  # keywords whose values are data, not schemas
+
+
+def _patterns(schema: object, where: str) -> list[tuple[str, str]]:
+    """(field path, pattern) of every string `pattern` in a schema."""
+    out, stack = [], [(schema, where)]
+    while stack:
+        node, at = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                out.append((f"{at}.pattern", node["pattern"]))
+            stack += [(v, f"{at}.{k}") for k, v in node.items()
+                      if isinstance(v, (dict, list)) and k not in _VALUES]
+        elif isinstance(node, list):
+            stack += [(v, f"{at}[{j}]") for j, v in enumerate(node)]
+    return out
 
 
 def constraint(family: Family, toolset: ToolSet, tokenizer) -> ToolConstraint | None:
@@ -280,7 +366,13 @@ def constraint(family: Family, toolset: ToolSet, tokenizer) -> ToolConstraint | 
     if toolset.constrained:
         return ToolConstraint(family, toolset, None, marks)
     ids = tokenizer.encode_plain(family.opening)
-    return ToolConstraint(family, toolset, ids[0], marks) if len(ids) == 1 else None
+    if len(ids) == 1:
+        return ToolConstraint(family, toolset, ids[0], marks)
+    if any(t.strict for t in toolset.tools):
+        raise InvalidRequestError(f"strict tools under tool_choice \"auto\" need the call opening {family.opening} "
+                                  "to be one token of this model's tokenizer, so that a call can be constrained "
+                                  "from it; it is not", "tools")
+    return None
 
 
 # -- history ----------------------------------------------------------------------------------
@@ -323,85 +415,3 @@ def _history_call(i: int, j: int, call: object, seen: set) -> dict:
         raise InvalidRequestError(f"{param}.function.arguments: a JSON object as text", f"{param}.function.arguments")
     seen.add(call["id"])
     return {"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": value}}
-
-
-# -- parsing answers --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text, as OpenAI returns it
-
-    def as_dict(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def _valid(tool: Tool, args: object) -> bool:
-    if not isinstance(args, dict):
-        return False
-    try:
-        import jsonschema
-    except ImportError:  # without the validator: the schema's required keys at least
-        return all(key in args for key in tool.parameters.get("required", []))
-    try:
-        jsonschema.validate(args, tool.parameters)
-    except (jsonschema.ValidationError, jsonschema.SchemaError):
-        return False
-    return True
-
-
-def _call(toolset: ToolSet, family: Family, text: str, exact: bool) -> ToolCall | None:
-    """A call from one JSON object's text: a callable tool's name and its arguments (valid for the
-    tool's schema when `exact`: the fenced-block rule), else None."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or set(value) != {"name", family.args}:
-        return None
-    tool = next((t for t in toolset.callable if t.name == value["name"]), None)
-    args = value[family.args]
-    if tool is None or not isinstance(args, dict) or (exact and not _valid(tool, args)):
-        return None
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", tool.name, json.dumps(args, ensure_ascii=False))
-
-
-_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-_FENCED = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n?```", re.S)
-
-
-def _hermes(toolset: ToolSet, text: str) -> tuple[str, list[ToolCall]]:
-    # Calls only after a reasoning block (Qwen3's <think>...</think>), which stays content.
-    think_end = text.rfind("</think>")
-    head, body = (text[: think_end + 8], text[think_end + 8:]) if think_end >= 0 else ("", text)
-    calls, rest = [], []
-    for pattern, exact in ((_TAGGED, False), (_FENCED, True)):
-        last = 0
-        for m in pattern.finditer(body):
-            call = _call(toolset, HERMES, m.group(1), exact)
-            if call is not None:
-                calls.append(call)
-                rest.append(body[last: m.start()])
-                last = m.end()
-        if calls:
-            rest.append(body[last:])
-            return head + "".join(rest), calls
-    return text, []
-
-
-def parse_answer(family: Family, toolset: ToolSet, ids: list[int], tokenizer) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of an answer's token ids; content None when only calls remain."""
-    if family is LLAMA3:
-        tag = tokenizer.encode_plain(LLAMA3.opening)
-        start = ids.index(tag[0]) + 1 if len(tag) == 1 and tag[0] in ids else 0
-        text = tokenizer.decode(ids[start:]).strip()
-        call = _call(toolset, LLAMA3, text, False) if text.startswith("{") else None
-        content, calls = (tokenizer.decode(ids[: max(0, start - 1)]), [call]) if call else (tokenizer.decode(ids), [])
-    else:
-        content, calls = _hermes(toolset, tokenizer.decode(ids))
-    if not toolset.parallel:
-        calls = calls[:1]
-    content = content.strip() if calls else content
-    return (content or None) if calls else content, calls

@@ -175,16 +175,20 @@ async def _chat_events(handle: RequestHandle, access, base: dict, tokenizer, tur
         if delta.finish_reason == "error":
             yield R.sse(R.fault_body(delta.error))
             break
-        text = delta.text if calls is None else calls.push(delta.text, delta.token_ids)
-        if text or delta.logprobs:
-            yield R.sse({**R.chat_chunk(head, {"content": text}, R.chat_logprobs(delta.logprobs, tokenizer),
+        # A tool turn's deltas: content, a call's head, its argument fragments (toolapi.ToolStream).
+        parts = calls.push(delta.text, delta.token_ids) if calls is not None else \
+            [{"content": delta.text}] if delta.text else []
+        if delta.logprobs and not parts:
+            parts = [{"content": ""}]
+        for n, part in enumerate(parts):
+            yield R.sse({**R.chat_chunk(head, part, R.chat_logprobs(delta.logprobs, tokenizer) if n == 0 else None,
                                         include_usage=include_usage),
                          **(stream_extension(body, delta, stats=False) if calls is None else {})})
         if delta.finish_reason:
             finish = delta.finish_reason
             if calls is not None:
-                rest, chunks, finish = calls.finish(finish)
-                for part in ([{"content": rest}] if rest else []) + [{"tool_calls": [c]} for c in chunks]:
+                parts, finish = calls.finish(finish)
+                for part in parts:
                     yield R.sse(R.chat_chunk(head, part, include_usage=include_usage))
             yield R.sse({**R.chat_chunk(head, {}, None, finish, include_usage),
                          **stream_extension(body, delta, tokens=False)})

@@ -2,23 +2,21 @@
 checked against the model's chat template, the constraint the request compiles, the messages as the
 template takes them, and the answer as `message.tool_calls` (whole, or as streamed deltas).
 
-Streaming: content is sent as it comes until the answer may hold a call (the family's opening token,
-a ``` fence for hermes, a `{` first for Llama's bare JSON, or any call under "required" or a named
-function); from there the text is held, and at the end the answer is parsed once: the rest of the
-content, then each call as OpenAI's chunks do it (index, id, type and name with empty arguments
-first, then the arguments in fragments). A client that assembles the chunks gets the call the
-non-streaming answer holds.
+Streaming (`ToolStream`): the answer goes through `tool_scan.CallScanner` as it is generated, so
+content is sent as it comes (held only where a call may begin: an opening being written, a ```
+fence until it closes), and each call as OpenAI's chunks do it: its index, id, type and name (empty
+arguments) as soon as its name is written, then `function.arguments` fragments as the model writes
+them. The non-streaming answer is the same scanner over the whole answer, so a client that
+assembles the chunks gets exactly the message the non-streaming answer holds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from .. import tool_scan as S
 from .. import tools as T
 from ..errors import InvalidRequestError
-
-ARGUMENT_FRAGMENT = 24  # characters of arguments per streamed chunk
-
 
 @dataclass
 class ToolTurn:
@@ -30,15 +28,15 @@ class ToolTurn:
     constraint: T.ToolConstraint | None
     template_tools: list[dict]
 
-    def finish_reason(self, reason: str, calls: list) -> str:
+    def finish_reason(self, reason: str, calls) -> str:
         if not calls or reason != "stop":
             return reason
         return "stop" if self.toolset.named else "tool_calls"
 
-    def answer(self, ids: list[int], tokenizer) -> tuple[str | None, list[T.ToolCall]]:
+    def answer(self, ids: list[int], tokenizer) -> tuple[str | None, list[S.ToolCall]]:
         if self.toolset is None:
             return tokenizer.decode(ids), []
-        return T.parse_answer(self.family, self.toolset, ids, tokenizer)
+        return S.parse_answer(self.family, self.toolset, ids, tokenizer)
 
 
 def tool_turn(body, tokenizer) -> ToolTurn | None:
@@ -70,53 +68,38 @@ def message_of(turn: ToolTurn, ids: list[int], tokenizer, finish: str) -> tuple[
     return message, turn.finish_reason(finish, calls)
 
 
-@dataclass
 class ToolStream:
-    """The streamed answer of one tool turn (see the module docstring): `push` each delta's text and
-    ids, get the content to send now; `finish` gives the last content and the calls' chunk deltas."""
+    """The streamed answer of one tool turn: `push` each delta's text and ids, get the chunk deltas
+    to send now (content, a call's head, its argument fragments); `finish` gives the last ones and
+    the finish reason. The same scanner as the whole answer (`tool_scan`), so the chunks assemble
+    into the non-streaming message."""
 
-    turn: ToolTurn
-    tokenizer: object
-    ids: list[int] = field(default_factory=list)
-    text: str = ""
-    sent: str = ""
-    holding: bool = False
+    def __init__(self, turn: ToolTurn, tokenizer):
+        self.turn = turn
+        self.scanner = None if turn.toolset is None else S.CallScanner(turn.family, turn.toolset, tokenizer)
+        self.calls = False
 
-    def push(self, text: str, ids: list[int]) -> str:
-        self.ids += ids
-        self.text += text
-        if self.holding:
-            return ""
-        cut = self._call_start()
-        self.holding = cut is not None
-        end = len(self.text) if cut is None else max(cut, len(self.sent))
-        out, self.sent = self.text[len(self.sent): end], self.text[:end]
+    def push(self, text: str, ids: list[int]) -> list[dict]:
+        if self.scanner is None:
+            return [{"content": text}] if text else []
+        return self._deltas(self.scanner.push(text, ids))
+
+    def finish(self, reason: str) -> tuple[list[dict], str]:
+        deltas = [] if self.scanner is None else self._deltas(self.scanner.finish())
+        return deltas, self.turn.finish_reason(reason, self.calls)
+
+    def _deltas(self, events: list[tuple]) -> list[dict]:
+        out: list[dict] = []
+        for event in events:
+            if event[0] == "content":
+                if out and "content" in out[-1]:
+                    out[-1]["content"] += event[1]
+                else:
+                    out.append({"content": event[1]})
+            elif event[0] == "call":
+                self.calls = True
+                out.append({"tool_calls": [{"index": event[1], "id": event[2], "type": "function",
+                                            "function": {"name": event[3], "arguments": ""}}]})
+            else:
+                out.append({"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]})
         return out
-
-    def _call_start(self) -> int | None:
-        """Where in the text a call may begin (what is before it can go out), or None."""
-        turn = self.turn
-        if turn.toolset is None:
-            return None
-        if turn.toolset.constrained:
-            return 0
-        if turn.family is T.HERMES:
-            found = [i for i in (self.text.find("<tool_call>"), self.text.find("`")) if i >= 0]
-            return min(found) if found else None
-        tag = self.tokenizer.encode_plain(T.LLAMA3.opening)
-        if self.text.lstrip().startswith("{") or (len(tag) == 1 and tag[0] in self.ids):
-            return 0
-        return None
-
-    def finish(self, reason: str) -> tuple[str, list[dict], str]:
-        """(content not yet sent, tool-call chunk deltas, finish reason)."""
-        content, calls = self.turn.answer(self.ids, self.tokenizer)
-        content = content or ""
-        rest = content[len(self.sent):] if content.startswith(self.sent) else ""
-        chunks = []
-        for i, call in enumerate(calls):
-            chunks.append({"index": i, "id": call.id, "type": "function",
-                           "function": {"name": call.name, "arguments": ""}})
-            for at in range(0, len(call.arguments), ARGUMENT_FRAGMENT):
-                chunks.append({"index": i, "function": {"arguments": call.arguments[at: at + ARGUMENT_FRAGMENT]}})
-        return rest, chunks, self.turn.finish_reason(reason, calls)
