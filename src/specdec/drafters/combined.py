@@ -32,9 +32,7 @@ class LookupFirstDrafter(DrafterBase):
         self.learned = learned
         self.fallback_k = fallback_k
         self.name = f"{lookup.name}+{learned.name}"
-        self.needs = DrafterNeeds(observes=learned.needs.observes, trees=lookup.needs.trees and learned.needs.trees,
-                                  labels_proposals=True, model=learned.needs.model, fallback=True,
-                                  stops=learned.needs.stops)
+        self.needs = combine_needs(lookup.needs, learned.needs)
         self._last = lookup
 
     @property
@@ -118,15 +116,13 @@ class LookupFirstDrafter(DrafterBase):
         self.learned.end(output_ids)
 
 
+def combine_needs(lookup: DrafterNeeds, learned: DrafterNeeds) -> DrafterNeeds:
+    """What a combination can do: the learned part's capabilities (observes, model, stops), trees
+    where both parts draft them, and its own labels and fallback."""
+    return DrafterNeeds(observes=learned.observes, trees=lookup.trees and learned.trees, labels_proposals=True,
+                        model=learned.model, fallback=True, stops=learned.stops)
+
+
 def lookup_first(lookup, learned, fallback_k: int = 4) -> LookupFirstDrafter:
     """The combination (it drafts trees when both parts can)."""
     return LookupFirstDrafter(lookup, learned, fallback_k)
-
-
-def split_name(name: object) -> tuple[str, str] | None:
-    """`ngram+LEARNED` / `suffix+LEARNED` -> (lookup name, learned name); None for any other name
-    (a path with a `+` in it stays a path)."""
-    if not isinstance(name, str):
-        return None
-    lookup, plus, learned = name.partition("+")
-    return (lookup, learned) if plus and lookup in ("ngram", "suffix") else None

@@ -64,18 +64,14 @@ DEFAULT_HEAD_DIR = Path(__file__).parent / "eagle_default"
 _INITIAL_ROOM = 256  # head cache slots beyond the prompt at `begin`; doubles when full
 
 
-# -- names: "eagle" (the shipped head) or "eagle:PATH" ---------------------------------------------
+# -- a head's folder (the name `eagle` / `eagle:DIR` is parsed by `builder.parse`) --------------------
 
 
-def is_eagle_name(name: str | None) -> bool:
-    return isinstance(name, str) and (name == "eagle" or name.startswith("eagle:"))
-
-
-def eagle_head_path(name: str) -> Path:
-    """The folder a drafter name `eagle` / `eagle:PATH` names; raises if it holds no head."""
-    path = DEFAULT_HEAD_DIR if name == "eagle" else Path(name[len("eagle:"):]).expanduser()
+def check_head_folder(folder: Path | None) -> Path:
+    """The folder of a saved head (None: the shipped default head); raises if it holds no head."""
+    path = DEFAULT_HEAD_DIR if folder is None else Path(folder).expanduser()
     if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
-        where = "the shipped default head" if name == "eagle" else repr(str(path))
+        where = "the shipped default head" if folder is None else repr(str(path))
         raise InvalidRequestError(
             f"no EAGLE head at {where}: a head folder holds {CONFIG_FILE} and {WEIGHTS_FILE} "
             "(make one with `specdec train-draft --kind eagle --out DIR`)", "drafter")
@@ -657,8 +653,3 @@ def _batched_pass(first: EagleDrafter, view, slots: list[int], lo: int, hi: int,
         view.lengths[r] += t
         out[i] = (out_feats[r : r + 1, t - 1 : t], logits[r, t - 1])
     return out
-
-
-def make_eagle_drafter(name: str, target: Transformer, draft_p_min: float | None = None) -> EagleDrafter:
-    """`eagle` (the shipped head) or `eagle:PATH`, bound to `target` on its device and dtype."""
-    return EagleDrafter.load(eagle_head_path(name), target, 0.0 if draft_p_min is None else draft_p_min)

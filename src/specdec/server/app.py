@@ -51,6 +51,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import builder
 from ..drafters.base import TreeShape
 from ..drafters.prediction import Prediction
 from ..errors import Fault, InvalidRequestError, SpecdecError
@@ -59,6 +60,7 @@ from ..sampling import SamplingParams
 from ..scheduler import BatchScheduler, Delta, RequestHandle, TokenLogprob
 from ..scheduler import Request as GenRequest
 from ..scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_TOKENS, serving_drafters
+from ..settings import DEFAULT_NUM_SPECULATIVE_TOKENS, DecodingSettings
 from ..tokenizer import Tokenizer
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling, parse
@@ -79,7 +81,7 @@ class ServerSettings:
     drafter: str = "none"
     draft_p_min: float | None = None  # a draft model's confidence cut-off (None: its default)
     draft_vocab: int | None = None  # a draft model's kept ids (FR-Spec; None: all)
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     draft_length: str | None = None  # each row's draft-length rule, as generate's (None: cost-aware)
     max_batch: int = 16
     max_queue: int = 64
@@ -167,11 +169,10 @@ def _specdec_error_response(exc: SpecdecError) -> JSONResponse:
 def load_model(settings: ServerSettings) -> tuple[Transformer, Tokenizer | None]:
     """Load the target model and its tokenizer. No drafter: `create_app` loads the server's drafters
     for it (`serving_drafters`), so a named pair's draft model is loaded once, there."""
-    from ..engine import Engine
-
-    engine = Engine.load(settings.model, drafter="none", device=settings.device, dtype=settings.dtype,
-                         quantize=settings.quantize, tensor_parallel=settings.tensor_parallel)
-    return engine.model, engine.tokenizer
+    target = DecodingSettings(target=settings.model, drafter="none", device=settings.device, dtype=settings.dtype,
+                              quantize=settings.quantize, tensor_parallel=settings.tensor_parallel,
+                              kv_dtype=settings.kv_dtype)
+    return builder.load_target(builder.resolve(target))
 
 
 def create_app(settings: ServerSettings,

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..errors import InvalidRequestError, SpecdecError
 from ..policy import DRAFT_LENGTHS
 from ..scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_TOKENS
+from ..settings import DEFAULT_NUM_SPECULATIVE_TOKENS
 from .tenants import KeyRing
 
 
@@ -30,7 +31,7 @@ def add_arguments(parser) -> None:
                         help="a draft model scores only its N most frequent ids (FR-Spec; verification still "
                              "scores every id, so output is unchanged); 0 = all; default: the named pair's "
                              "setting under --drafter auto, else all ids")
-    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS, help="draft tokens per step")
     parser.add_argument("--draft-length", default=None, choices=DRAFT_LENGTHS,
                         help="each request's draft-length rule, as in `specdec generate` (default: cost), under the "
                              "batch's caps below")
@@ -148,19 +149,19 @@ def settings_from_args(args):
     name = args.served_model_name
     if name is None:
         name = "gemma-3-270m" if args.model == "default" else Path(args.model).name.removesuffix(".gguf")
-    from ..engine import resolve_drafter
+    from ..builder import resolve_drafter
 
     # "auto": prompt lookup first and a named model's paired draft model (with its confidence
     # cut-off), else prompt lookup.
     drafter, draft_p_min = resolve_drafter(args.drafter, args.model)
     draft_vocab = args.draft_vocab
     if args.drafter == "auto" and draft_vocab is None:
-        from ..engine import pair_draft_vocab
+        from ..builder import pair_draft_vocab
 
         draft_vocab = pair_draft_vocab(args.model)  # the pair's measured setting, as `Engine.load` picks it
     if args.draft_tree is not None:
         from ..drafters.base import TreeShape
-        from ..engine import check_tree_drafter
+        from ..builder import check_tree_drafter
 
         TreeShape.parse(args.draft_tree)  # a malformed shape: one line, before the drafter's name
         check_tree_drafter(drafter)
