@@ -36,9 +36,7 @@ from .drafters.eagle import EagleDrafter, check_head_folder
 from .drafters.ngram import NgramDrafter
 from .drafters.suffix import SuffixDrafter
 from .errors import InvalidRequestError, SpecdecError
-from .models import cpu_kernels, loader, presets
-from .models.gguf_file import layer_weight_bits
-from .models.quant import cpu_int8_available, quantize_of
+from .models import cpu_kernels, gguf_file, loader, presets, quant
 from .models.transformer import Transformer
 from .settings import DTYPES, DecodingSettings
 from .tokenizer import Tokenizer
@@ -91,7 +89,7 @@ def source_layer_bits(target: str) -> int | None:
     if presets.is_preset(str(target)):
         return presets.get(str(target)).layer_bits
     try:
-        return layer_weight_bits(Path(target).expanduser())
+        return gguf_file.layer_weight_bits(Path(target).expanduser())
     except (SpecdecError, OSError):
         return None
 
@@ -105,7 +103,7 @@ def resolve_quantize(quantize: str, device: str, target: str) -> str:
     Float weights are kept as they are (none)."""
     if quantize != "auto":
         return quantize
-    if device != "cpu" or not cpu_int8_available() or not source_is_quantised(target):
+    if device != "cpu" or not quant.cpu_int8_available() or not source_is_quantised(target):
         return "none"
     if source_layer_bits(target) == 4 and cpu_kernels.load() is not None:
         return "int4"
@@ -116,7 +114,7 @@ def draft_quantize_for(draft_quantize: str | None, target: Transformer) -> str:
     """The draft model's quantisation: as asked (checked by `DecodingSettings`), or ("auto" / None)
     the target's (int8, int4 or none)."""
     if draft_quantize in (None, "auto"):
-        return quantize_of(target)
+        return quant.quantize_of(target)
     return draft_quantize
 
 
@@ -193,8 +191,8 @@ REGISTRY: dict[str, DrafterKind] = {
 def known_names() -> str:
     """The names a drafter may be given, for error messages."""
     kinds = [REGISTRY[k].spelling for k in ("none", "ngram", "suffix", "eagle")]
-    return (f"{', '.join(kinds)}, ngram+LEARNED or suffix+LEARNED (LEARNED: eagle[:DIR] or a draft model), "
-            f"{REGISTRY['draft_model'].spelling.replace('a model preset', 'a model preset (' + ', '.join(presets.PRESETS) + ')')}")
+    model = REGISTRY["draft_model"].spelling.replace("a model preset", f"a model preset ({', '.join(presets.PRESETS)})")
+    return f"{', '.join(kinds)}, ngram+LEARNED or suffix+LEARNED (LEARNED: eagle[:DIR] or a draft model), {model}"
 
 
 def parse(name: str | None) -> DrafterSpec:

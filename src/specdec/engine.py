@@ -306,7 +306,7 @@ class Engine:
                        draft_quantize=draft_quantize, draft_vocab=draft_vocab, tensor_parallel=tensor_parallel,
                        kv_dtype=kv_dtype)
         # Every option validated once, before the slow target load.
-        settings = DecodingSettings(target=target, **{key: value for key, value in options.items() if value is not None})
+        settings = DecodingSettings(target=target, **{key: v for key, v in options.items() if v is not None})
         return cls.build(settings, progress)
 
     @classmethod

@@ -409,7 +409,7 @@ class BatchScheduler:
         room = max([self.k_max, PREDICTION_K_MAX] + [shape.budget for shape in draft_trees.values()])
         self.cache = self.engine.new_cache(max_batch, self.max_model_len + room + 1)
         for loaded in drafters.values():  # model drafters: one cache for all rows, drafting batched
-            if loaded is not None:
+            if loaded is not None and loaded.needs.batches:
                 loaded.reserve(max_batch, self.max_model_len + room + 1)
         self._lock = threading.Condition()
         self._waiting: deque[_Sequence] = deque()  # guarded by _lock

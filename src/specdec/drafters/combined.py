@@ -100,7 +100,7 @@ class LookupFirstDrafter(DrafterBase):
     def propose_tree(self, context: list[int], depth: int = 5, top_k: int = 4, budget: int = 24) -> TokenTree:
         """With both parts drafting trees (ngram and the EAGLE head): lookup's tree, else the head's."""
         if not self.needs.trees:
-            return super().propose_tree(context, depth, top_k, budget)
+            raise NotImplementedError(f"drafter {self.name!r} does not draft trees (needs.trees is False)")
         tree = self.lookup.propose_tree(context, depth, top_k, budget)
         if len(tree):
             self._last = self.lookup
@@ -117,10 +117,12 @@ class LookupFirstDrafter(DrafterBase):
 
 
 def combine_needs(lookup: DrafterNeeds, learned: DrafterNeeds) -> DrafterNeeds:
-    """What a combination can do: the learned part's capabilities (observes, model, stops), trees
-    where both parts draft them, and its own labels and fallback."""
-    return DrafterNeeds(observes=learned.observes, trees=lookup.trees and learned.trees, labels_proposals=True,
-                        model=learned.model, fallback=True, stops=learned.stops)
+    """What a combination can do: the learned part's capabilities (observes, batches, reads, stops,
+    model), trees where both parts draft them, and its own labels and fallback. Its methods of each
+    capability forward to the part that has it; the core calls them only where this declares it."""
+    return DrafterNeeds(observes=learned.observes, trees=lookup.trees and learned.trees, batches=learned.batches,
+                        reads=learned.reads, stops=learned.stops, fallback=True, labels_proposals=True,
+                        model=learned.model)
 
 
 def lookup_first(lookup, learned, fallback_k: int = 4) -> LookupFirstDrafter:

@@ -288,7 +288,8 @@ class EagleDrafter(DrafterBase):
 
     name = "eagle"
     # The target's final-normed features of every committed token; EAGLE-2 style trees.
-    needs = DrafterNeeds(observes=(FINAL_HIDDEN,), trees=True, model=True)
+    needs = DrafterNeeds(observes=(FINAL_HIDDEN,), trees=True, batches=True, model=True)
+    draft_cost: float | None = None  # not measured: the policy's prior
 
     def __init__(self, model: EagleModel, draft_p_min: float = 0.0):
         self.model = model
@@ -316,6 +317,9 @@ class EagleDrafter(DrafterBase):
         if pool is None or pool.cache.batch < rows or pool.cache.capacity < length:
             attn, weight = self.model.head.block.self_attn, self.model.head.fc.weight
             self._pool = DraftPool(KVCache(1, rows, attn.kv_heads, attn.head_dim, length, weight.dtype, weight.device))
+
+    def batch_member(self) -> "EagleDrafter":
+        return self
 
     def batch_key(self) -> object | None:
         return self._pool if self._slot is not None else None
