@@ -110,9 +110,9 @@ from typing import Callable
 
 import torch
 
+from . import builder
 from .drafters.base import Drafter, TreeShape
 from .drafters.prediction import Prediction, PredictionUsage, prediction_usage
-from . import builder
 from .engine import Emitted, Engine, Row, Stats
 from .errors import Fault, InvalidRequestError, SpecdecError
 from .models.transformer import Transformer
