@@ -63,6 +63,10 @@ class LookupFirstDrafter(DrafterBase):
     def batch_member(self):
         return self.learned
 
+    def propose_batch(self, drafters, contexts, ks):
+        # `drafters` are batch members (learned parts, `batch_member`): their own batched call.
+        return self.learned.propose_batch(drafters, contexts, ks)
+
     def pending(self, context: list[int]) -> int:
         return self.learned.pending(context)
 
