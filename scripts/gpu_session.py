@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from specdec import Engine, SamplingParams  # noqa: E402
-from specdec.engine import make_drafter  # noqa: E402
+from specdec.builder import Made, make_drafter  # noqa: E402
 from specdec.models import loader  # noqa: E402
 from specdec.tokenizer import Tokenizer  # noqa: E402
 
@@ -130,8 +130,8 @@ def identity(args) -> None:
         reference = [plain.generate(prompt=p, max_new_tokens=args.max_tokens).token_ids for p in prompts]
         plain_s = time.perf_counter() - started
         for label, name, k, tree in DRAFTERS:
-            engine = Engine(model, tokenizer, make_drafter(name, model, tokenizer), k,
-                            draft_length=None if tree else "fixed", draft_tree=tree)
+            engine = Engine(model, tokenizer, drafter=make_drafter(name, Made(model, tokenizer)),
+                            num_speculative_tokens=k, draft_length=None if tree else "fixed", draft_tree=tree)
             same, first_diff, accepted, drafts = 0, [], 0, 0
             started = time.perf_counter()
             for p, ref in zip(prompts, reference):

@@ -1,9 +1,10 @@
 """Screenshots of the chat page for the README, taken by the system's headless Chromium from a real
 server: `python scripts/page_screenshots.py [--model default] [--out docs]`.
 
-Starts the server in this process (the model as `specdec serve` loads it, drafter `auto`), asks
-one question through the page with a side-by-side plain run, and writes `page-desktop.png` and
-`page-phone.png`.
+Starts the server in this process (the model as `specdec serve` loads it, with `--drafter`), asks
+one question through the page with a side-by-side plain run, and writes `NAME-desktop.png` and
+`NAME-phone.png` (`--name`, default `page`). The Qwen pair's picture:
+`--model qwen2.5-coder-1.5b-instruct --drafter auto --prompt "Write a Python function ..." --max-tokens 160 --name page-qwen --desktop-only`.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ CODE_PROMPT = ('def area_of_square(side):\n    """The area of a square."""\n    
 PORT = 8731
 
 
-def start_server(model: str) -> str:
+def start_server(model: str, drafter: str) -> str:
     engine = Engine.load(model, drafter="none")
-    settings = ServerSettings(model=model, served_model_name=model, drafter="ngram", max_model_len=1024)
+    settings = ServerSettings(model=model, served_model_name=model, drafter=drafter, max_model_len=1024)
     server = uvicorn.Server(uvicorn.Config(create_app(settings, load=lambda s: (engine.model, engine.tokenizer)),
                                            host="127.0.0.1", port=PORT, log_level="error"))
     threading.Thread(target=server.run, daemon=True).start()
@@ -85,17 +86,23 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--out", default="docs")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--drafter", default="ngram")
+    parser.add_argument("--prompt", default=CODE_PROMPT)
+    parser.add_argument("--name", default="page")
+    parser.add_argument("--desktop-only", action="store_true")
     args = parser.parse_args()
-    url = start_server(args.model)
+    url = start_server(args.model, args.drafter)
     driver = browser()
     try:
         driver.set_window_size(1100, 1250)
-        ask(driver, url, CODE_PROMPT, args.max_tokens)
-        driver.save_screenshot(str(Path(args.out) / "page-desktop.png"))
+        ask(driver, url, args.prompt, args.max_tokens)
+        driver.save_screenshot(str(Path(args.out) / f"{args.name}-desktop.png"))
+        if args.desktop_only:
+            return
         driver.set_window_size(390, 1100)
         driver.refresh()
         WebDriverWait(driver, 60).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#log .stats dl"))
-        driver.save_screenshot(str(Path(args.out) / "page-phone.png"))
+        driver.save_screenshot(str(Path(args.out) / f"{args.name}-phone.png"))
     finally:
         driver.quit()
 

@@ -9,7 +9,7 @@ import torch
 
 from specdec import Engine
 from specdec.cli import main
-from specdec.engine import resolve_drafter, resolve_quantize
+from specdec.builder import resolve_drafter, resolve_quantize
 
 from helpers import make_char_tokenizer, make_tiny_hf
 
@@ -52,7 +52,7 @@ def test_drafter_auto_is_lookup_or_the_presets_pair():
     assert resolve_drafter("auto", "qwen2.5-coder-1.5b-instruct", 0.0) == ("ngram+qwen2.5-coder-0.5b-instruct", 0.0)
     assert resolve_drafter("auto", "qwen2.5-coder-0.5b-instruct") == ("ngram", None)  # no pair of its own
     assert resolve_drafter("none", "qwen2.5-coder-1.5b-instruct") == ("none", None)
-    from specdec.engine import pair_draft_vocab
+    from specdec.builder import pair_draft_vocab
 
     assert pair_draft_vocab("qwen2.5-coder-1.5b-instruct") == 32768  # the pair's measured best
     assert pair_draft_vocab("default") is None and pair_draft_vocab("qwen2.5-coder-0.5b-instruct") is None

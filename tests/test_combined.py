@@ -7,9 +7,9 @@ import torch
 from specdec import Engine, SamplingParams
 from specdec.bench.configs import eagle_name, parse_config
 from specdec.drafters import DrafterNeeds, NgramDrafter, Proposal, SuffixDrafter
-from specdec.drafters.combined import LEARNED, LookupFirstDrafter, lookup_first, split_name
+from specdec.drafters.combined import LEARNED, LookupFirstDrafter, lookup_first
 from specdec.drafters.eagle import EagleDrafter
-from specdec.engine import draft_model_path
+from specdec.builder import parse
 from specdec.errors import InvalidRequestError
 
 from helpers import random_prompts as prompts
@@ -109,13 +109,17 @@ def test_broken_learned_part_is_caught():
 
 
 def test_names_and_options(tmp_path):
-    assert split_name("ngram+eagle") == ("ngram", "eagle") and split_name("suffix+eagle:/h") == ("suffix", "eagle:/h")
-    assert split_name("/models/a+b") is None and split_name("eagle") is None and split_name(None) is None
+    both = parse("ngram+eagle")
+    assert (both.lookup, both.kind, both.path) == ("ngram", "eagle", te.DEFAULT_HEAD_DIR)
+    assert parse("eagle").lookup is None and parse("none").kind == "none"
+    path = tmp_path / "a+b"  # a path with a `+` in it stays a path
+    path.mkdir()
+    assert (parse(str(path)).kind, parse(str(path)).lookup) == ("draft_model", None)
     for bad in ("ngram+none", "ngram+suffix", "ngram+", "ngram+ngram+eagle"):
         with pytest.raises(InvalidRequestError, match="learned drafter"):
-            draft_model_path(bad)
+            parse(bad)
     with pytest.raises(InvalidRequestError, match="unknown drafter"):
-        draft_model_path("ngram+/no/such/model")
+        parse("ngram+/no/such/model")
     with pytest.raises(InvalidRequestError, match="cannot propose draft trees"):
         Engine.load("default", drafter="suffix+eagle", draft_tree="3x2x6")  # fails before loading anything
     c = parse_config("eagle:k=8:lookup=ngram")

@@ -13,7 +13,8 @@ import torch
 from specdec import Engine, SamplingParams
 from specdec.drafters import DraftModelDrafter, Drafter
 from specdec.drafters.draft_model import check_same_vocabulary
-from specdec.engine import make_drafter
+from specdec.builder import Made, make_drafter
+from specdec.settings import DecodingSettings
 from specdec.errors import InvalidRequestError
 from specdec.models import loader
 from specdec.models.kv_cache import resolve_kv_dtype
@@ -252,7 +253,7 @@ def test_engine_load_with_draft_model_path(tiny, tmp_path):
     with pytest.raises(InvalidRequestError, match="draft_p_min"):
         Engine.load(str(m["folder"]), drafter=str(m["folder"]), draft_p_min=1.5)
     with pytest.raises(InvalidRequestError, match="draft_p_min"):
-        make_drafter("ngram", draft_p_min=0.5)
+        make_drafter("ngram", Made(settings=DecodingSettings(draft_p_min=0.5)))
 
 
 # -- the confidence cut-off ----------------------------------------------------------------------------

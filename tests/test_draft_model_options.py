@@ -220,7 +220,7 @@ def _kernels_or_skip():
 
 
 def test_draft_quantize_auto_follows_the_target(llama):
-    from specdec.engine import draft_quantize_for
+    from specdec.builder import draft_quantize_for
 
     _kernels_or_skip()
     assert draft_quantize_for(None, llama) == "none"

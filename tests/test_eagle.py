@@ -11,9 +11,8 @@ import torch
 
 from specdec import Engine, SamplingParams
 from specdec.drafters import Drafter
-from specdec.drafters.eagle import (DEFAULT_HEAD_DIR, EagleDrafter, EagleModel, HeadSpec, eagle_head_path,
-                                    is_eagle_name)
-from specdec.engine import make_drafter
+from specdec.drafters.eagle import DEFAULT_HEAD_DIR, EagleDrafter, EagleModel, HeadSpec
+from specdec.builder import Made, make_drafter, parse
 from specdec.errors import InvalidRequestError
 from specdec.models import loader
 from specdec.models.transformer import ModelConfig, RopeSpec, Transformer
@@ -62,9 +61,11 @@ def test_greedy_identity_random_head(tiny_models, family, k, draft_vocab):
 
 def test_satisfies_protocol_and_names(tiny_models):
     assert isinstance(EagleDrafter(random_head(tiny_models["llama"]["target"], 50)), Drafter)
-    assert is_eagle_name("eagle") and is_eagle_name("eagle:/x") and not is_eagle_name("eagles")
+    assert parse("eagle").kind == "eagle" and parse("eagle").path == DEFAULT_HEAD_DIR
     with pytest.raises(InvalidRequestError, match="no EAGLE head"):
-        eagle_head_path("eagle:/nonexistent/head")
+        parse("eagle:/nonexistent/head")
+    with pytest.raises(InvalidRequestError, match="unknown drafter 'eagles'"):
+        parse("eagles")
 
 
 def test_wrong_target_is_an_error(tiny_models, tmp_path):
@@ -302,7 +303,7 @@ def test_cli_train_draft_smoke(tiny_models, tmp_path):
     assert meta["training"]["steps_done"] == 4 and meta["draft_vocab_size"] == 50
     # The written head loads by name (the CLI's `--drafter eagle:DIR` goes through the same call).
     target, _ = loader.load(folder, torch.float32, "cpu")
-    engine = Engine(target, None, drafter=make_drafter(f"eagle:{tmp_path / 'o'}", target), num_speculative_tokens=3,
+    engine = Engine(target, None, drafter=make_drafter(f"eagle:{tmp_path / 'o'}", Made(target)), num_speculative_tokens=3,
                     draft_length="fixed")
     ids = prompts(1)[0]
     assert engine.generate(prompt_ids=ids, max_new_tokens=12).token_ids == \
@@ -315,7 +316,7 @@ def test_cli_train_draft_smoke(tiny_models, tmp_path):
 @pytest.mark.skipif(not (DEFAULT_HEAD_DIR / "eagle.json").is_file(), reason="no shipped head")
 def test_default_model_with_shipped_head(default_engine_fp32):
     e = default_engine_fp32
-    drafter = make_drafter("eagle", e.model)
+    drafter = make_drafter("eagle", Made(e.model))
     spec = Engine(e.model, e.tokenizer, drafter=drafter, num_speculative_tokens=4, draft_length="fixed")
     drafted = accepted = 0
     for prompt in ("Question: What are the three primary colors?\nAnswer:",

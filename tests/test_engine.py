@@ -172,7 +172,7 @@ def test_decoding_settings_are_validated_once_and_frozen(tiny_models):
 def test_auto_dtype_of_an_int8_cpu_model_is_float32(monkeypatch):
     # On a CPU with native bfloat16 (AVX512-BF16, AMX) "auto" is bfloat16 for a float model, but an
     # int8 model computes in float32 whatever the dtype: bfloat16 would only round its norms.
-    from specdec import engine
+    from specdec import builder as engine
 
     monkeypatch.setattr(engine, "_cpu_has_bf16", lambda: True)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)

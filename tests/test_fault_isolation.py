@@ -18,7 +18,7 @@ import torch
 
 from specdec import Engine, SamplingParams
 from specdec.drafters import NgramDrafter
-from specdec.drafters.base import DrafterBase
+from specdec.drafters.base import DrafterBase, DrafterNeeds
 from specdec.errors import InvalidRequestError
 from specdec.scheduler import BatchScheduler, Request
 
@@ -65,6 +65,7 @@ class Lookalike(DrafterBase):
     def __init__(self, trigger: int | None = None, batched: bool = False, key=None):
         self.trigger, self.batched, self.key = trigger, batched, key if key is not None else object()
         self.inner = NgramDrafter()
+        self.needs = DrafterNeeds(batches=batched)  # declared: its rows draft in one shared call
 
     def spawn(self):
         return Lookalike(self.trigger, self.batched, self.key)
@@ -78,7 +79,13 @@ class Lookalike(DrafterBase):
         return self.inner.propose(context, k)
 
     def batch_key(self):
-        return self.key if self.batched else None
+        return self.key
+
+    def batch_member(self):
+        return self
+
+    def reserve(self, rows, length):
+        pass
 
     def propose_batch(self, drafters, contexts, ks):
         for d, c in zip(drafters, contexts):

@@ -156,13 +156,14 @@ def register_tiny_pair(env, tmp_path, **target) -> None:
 
 def test_a_preset_pair_loads_through_engine_load(env, tmp_path):
     """A preset target with its paired preset draft resolves through `loader.resolve` and
-    `draft_model_path`; speculative decoding with it gives plain decoding's tokens."""
+    `builder.parse`; speculative decoding with it gives plain decoding's tokens."""
     from specdec.drafters.combined import LookupFirstDrafter
     from specdec.drafters.draft_model import DraftModelDrafter
-    from specdec.engine import Engine, draft_model_path, resolve_drafter
+    from specdec.builder import parse, resolve_drafter
+    from specdec.engine import Engine
 
     register_tiny_pair(env, tmp_path)
-    assert draft_model_path("fake-draft") == presets.cached_path(presets.get("fake-draft"))
+    assert parse("fake-draft").path == presets.cached_path(presets.get("fake-draft"))
     assert resolve_drafter("auto", "fake-target") == ("ngram+fake-draft", None)
     engine = Engine.load("fake-target", drafter="ngram+fake-draft", dtype="float32", quantize="none",
                          num_speculative_tokens=3, draft_length="fixed")

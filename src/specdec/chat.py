@@ -35,8 +35,9 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from .cli import _progress, _show_drafts, add_decoding_arguments, load_engine, sampling_from_args
-from .engine import Emitted, Engine, Stats, Step, resolve_device, resolve_quantize
+from . import builder
+from .cli import _progress, _show_drafts, add_decoding_arguments, decoding_settings, load_engine, sampling_from_args
+from .engine import Emitted, Engine, Stats, Step
 from .errors import InvalidRequestError, SpecdecError
 from .models import loader
 from .models.kv_cache import KVCache
@@ -279,10 +280,11 @@ def run(args) -> int:
     sampling = sampling_from_args(args)
     # Before the weights: a model whose files leave no place for a template fails at once (the
     # default model's do); the session checks the loaded tokenizer itself.
-    quantize = resolve_quantize(args.quantize, resolve_device(args.device), args.model)  # the folder the load reads
-    if lacks_chat_template(loader.resolve(args.model, _progress, quantize if args.tensor_parallel == 1 else "none")):
+    settings = builder.resolve(decoding_settings(args))  # its quantisation: the folder the load reads
+    if lacks_chat_template(loader.resolve(args.model, _progress,
+                                          settings.quantize if args.tensor_parallel == 1 else "none")):
         raise no_template()
-    engine = load_engine(args)
+    engine = load_engine(args, settings)
     session = ChatSession(engine, system=args.system, max_tokens=args.max_tokens, sampling=sampling,
                           stop=args.stop or ())
     try:  # line editing and history for input(); its import sets that up, so only here

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .errors import SpecdecError
+from .settings import DEFAULT_NUM_SPECULATIVE_TOKENS
 
 MARK_PLAIN = {"accepted": ("[", "]"), "recovered": ("{", "}"), "bonus": ("<", ">")}
 MARK_COLOUR = {"accepted": ("\033[32m", "\033[0m"), "recovered": ("\033[31m", "\033[0m"), "bonus": ("\033[34m", "\033[0m")}
@@ -87,7 +88,7 @@ def add_decoding_arguments(gen: argparse.ArgumentParser) -> None:
                      help="the draft model scores only its N most frequent ids (FR-Spec: the first N and the special "
                           "ones; 0 = all); lossless, the target still verifies over its full vocabulary. "
                           "Default: all, or the pair's 32768 under --drafter auto with a named target")
-    gen.add_argument("-k", "--num-speculative-tokens", type=int, default=5,
+    gen.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
                      help="draft tokens per step (the most, with --draft-length cost)")
     gen.add_argument("--draft-length", default=None, choices=["fixed", "adaptive", "cost"],
                      help="cost (default): per kind of proposal (n-gram match length), the length up to k "
@@ -183,17 +184,26 @@ def sampling_from_args(args):
                           min_tokens=args.min_tokens, ignore_eos=args.ignore_eos)
 
 
-def load_engine(args):
-    """The engine the decoding options name, loaded with the CLI's progress lines."""
+def decoding_settings(args):
+    """The `DecodingSettings` of the decoding options (`add_decoding_arguments`), validated."""
+    from .settings import DecodingSettings
+
+    return DecodingSettings(target=args.model, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
+                            device=args.device, dtype=args.dtype, draft_length=args.draft_length,
+                            draft_p_min=args.draft_p_min, quantize=args.quantize, draft_tree=args.tree,
+                            verify_cost=args.verify_cost, verify_overhead=args.verify_overhead,
+                            draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab,
+                            tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype)
+
+
+def load_engine(args, settings=None):
+    """The engine the decoding options name (or their `settings`, already made), built with the
+    CLI's progress lines."""
     from .engine import Engine
 
+    settings = settings or decoding_settings(args)
     print("specdec: loading the model...", file=sys.stderr)
-    return Engine.load(args.model, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
-                       device=args.device, dtype=args.dtype, draft_length=args.draft_length, progress=_progress,
-                       draft_p_min=args.draft_p_min, quantize=args.quantize,
-                       draft_tree=args.tree, verify_cost=args.verify_cost, verify_overhead=args.verify_overhead,
-                       draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab,
-                       tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype)
+    return Engine.build(settings, _progress)
 
 
 def _compare(engine, kwargs: dict, args) -> int:

@@ -26,18 +26,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from . import policy
-from .drafters import NgramDrafter, SuffixDrafter
+from . import builder, policy
 from .drafters.base import Drafter, TreeShape
-from .drafters.combined import lookup_first, split_name
-from .drafters.eagle import eagle_head_path, is_eagle_name, make_eagle_drafter
 from .drafters.prediction import Prediction, PredictionDrafter, PredictionUsage, prediction_usage, with_prediction
 from .errors import InvalidRequestError, SpecdecError
-from .models import loader
 from .models.kv_cache import KVCache, resolve_kv_dtype
 from .models.transformer import Transformer
 from .settings import DecodingSettings
@@ -47,232 +42,6 @@ from . import step as step_phases
 from .step import TARGET, Emitted, Step, StepReport, log_probs
 from .verify import TokenTree, TreeVerdict, first_proven_rejection, verify_greedy, verify_sampling, \
     verify_tree_greedy, verify_tree_sampling
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(dtype: str, device: str, quantize: str = "none") -> torch.dtype:
-    if dtype == "auto":
-        # bfloat16 halves the bytes read per token; CPUs without native bf16 would emulate it slowly.
-        if device.startswith("cuda"):
-            return torch.bfloat16
-        if quantize != "none":
-            # An int8 model on the CPU computes in float32 whatever the dtype (the compiled kernels'
-            # activations, the float32 cache): bfloat16 would only round its norms' weights.
-            return torch.float32
-        return torch.bfloat16 if torch.backends.mkldnn.is_available() and _cpu_has_bf16() else torch.float32
-    if dtype not in DTYPES:
-        raise InvalidRequestError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16", "dtype")
-    return DTYPES[dtype]
-
-
-def _cpu_has_bf16() -> bool:
-    from .models.cpu_kernels import cpu_fields
-
-    flags = cpu_fields().get("flags", "").split()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_device(device: str) -> str:
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise InvalidRequestError("--device cuda was asked for but no CUDA device is available", "device")
-    if not (device == "cpu" or device.startswith("cuda")):
-        raise InvalidRequestError(f"unknown device {device!r}; choose cpu or cuda", "device")
-    return device
-
-
-def draft_model_path(name: str | None) -> Path | None:
-    """The path of the draft model `name` names, or None for none / ngram / suffix.
-
-    A preset name (`specdec models`) is its assembled GGUF file. Raises for a name that is neither
-    a lookup drafter, a preset nor an existing folder or file.
-    """
-    from .models import presets
-
-    if name in ("none", "", None, "ngram", "suffix"):
-        return None
-    if presets.is_preset(name):
-        return presets.path(name)
-    if (parts := split_name(name)) is not None:  # ngram+LEARNED: the learned drafter's path
-        if parts[1] in ("none", "", "ngram", "suffix") or split_name(parts[1]):
-            raise InvalidRequestError(f"drafter {name!r}: after {parts[0]}+ comes a learned drafter (eagle, "
-                                      "eagle:DIR or a draft model's path)", "drafter")
-        return draft_model_path(parts[1])
-    if is_eagle_name(name):  # `eagle` (the shipped head) or `eagle:PATH`: the head's folder
-        return eagle_head_path(name)
-    path = Path(name).expanduser()
-    if not path.exists():
-        raise InvalidRequestError(
-            f"unknown drafter {name!r}; choose none, ngram, suffix, a model preset ({', '.join(presets.PRESETS)}) "
-            "or the path of a draft model (HF folder or .gguf file)", "drafter")
-    return path
-
-
-def make_drafter(name: str, target: Transformer | None = None, target_tokenizer: Tokenizer | None = None,
-                 draft_p_min: float | None = None, progress=None, draft_quantize: str | None = None,
-                 draft_vocab: int | None = None, kv_dtype: str = "auto") -> Drafter | None:
-    """none | ngram | suffix, or a draft model path: loaded on `target`'s device in its dtype.
-
-    `draft_p_min` is the draft model's confidence cut-off (None = its default, 0 = off).
-    `draft_quantize` is the draft model's quantisation: None or "auto" = the target's (an int8
-    target gets an int8 draft, whose every draft token then costs int8 products too).
-    `draft_vocab` N > 0: the draft model scores only its N most frequent ids (FR-Spec; see
-    `drafters/draft_model.py`), still lossless. `kv_dtype`: the engine's cache setting, which a
-    draft model's cache follows (`draft_model.draft_kv_dtype`).
-    """
-    from .drafters.draft_model import DEFAULT_DRAFT_P_MIN, DraftModelDrafter
-
-    if (parts := split_name(name)) is not None:
-        draft_model_path(name)  # the learned part must be one
-        learned = make_drafter(parts[1], target, target_tokenizer, draft_p_min, progress, draft_quantize, draft_vocab,
-                               kv_dtype)
-        return lookup_first(make_drafter(parts[0]), learned)
-    if is_eagle_name(name):
-        if target is None:
-            raise ValueError("an EAGLE head is made for a loaded target: pass `target`")
-        return make_eagle_drafter(name, target, draft_p_min)
-    path = draft_model_path(name)
-    if path is None:
-        if draft_p_min:
-            raise InvalidRequestError("draft_p_min applies only to a draft model (a model path as drafter)",
-                                      "draft_p_min")
-        if name == "ngram":
-            return NgramDrafter()
-        if name == "suffix":
-            return SuffixDrafter()
-        return None
-    if target is None:
-        raise ValueError("a draft model is made for a loaded target: pass `target`")
-    weight = target.embed_tokens.weight
-    p_min = DEFAULT_DRAFT_P_MIN if draft_p_min is None else draft_p_min
-    drafter = DraftModelDrafter.load(path, target.config.vocab_size, weight.dtype, weight.device, draft_p_min=p_min,
-                                     target_tokenizer=target_tokenizer, progress=progress,
-                                     quantize=draft_quantize_for(draft_quantize, target), vocab=draft_vocab,
-                                     kv_dtype=kv_dtype)
-    drafter.measure_cost(target)  # the policy's first price of a draft token, refined online
-    return drafter
-
-
-def check_tensor_parallel(world: int, device: str, drafter: str) -> None:
-    """--tensor-parallel N against the device (N ranks' worth of cores or GPUs) and the drafter: an
-    EAGLE head reads the target's own features and output head, which the split leaves on no rank."""
-    if world == 1:
-        return
-    from .models.tensor_parallel import check_world
-
-    check_world(world, device)
-    parts = split_name(drafter)
-    if is_eagle_name(drafter) or (parts is not None and is_eagle_name(parts[1])):
-        raise InvalidRequestError("an EAGLE head reads the whole target's features and head, which "
-                                  "--tensor-parallel splits; use ngram, suffix or a draft model", "drafter")
-
-
-def _parallel_target(folder, dtype: torch.dtype, device: str, quantize: str, world: int):
-    """The target split over `world` ranks; this process's torch threads shared out among them."""
-    import functools
-
-    from .models import tensor_parallel as tp
-
-    threads = max(1, torch.get_num_threads() // world)
-    return tp.launch(tp.Launch(functools.partial(tp.load_whole, folder, dtype), world, quantize, device, threads))
-
-
-def draft_quantize_for(draft_quantize: str | None, target: Transformer) -> str:
-    """The draft model's quantisation: as asked (checked by `DecodingSettings`), or ("auto" / None)
-    the target's (int8, int4 or none)."""
-    from .models.quant import quantize_of
-
-    if draft_quantize in (None, "auto"):
-        return quantize_of(target)
-    return draft_quantize
-
-
-def source_is_quantised(target: str) -> bool:
-    """Whether a target's weights come quantised: the default model, a preset, a .gguf file."""
-    from .models import presets
-
-    return str(target) == "default" or presets.is_preset(str(target)) or str(target).lower().endswith(".gguf")
-
-
-def source_layer_bits(target: str) -> int | None:
-    """Bits of most of a quantised source's decoder-layer weights (`gguf_file.layer_weight_bits`):
-    the figure pinned for the default model and the presets (finding the default's file hashes it),
-    else read from the GGUF header; None where unknown (a missing file: the load reports it)."""
-    from .models import presets
-    from .models.gguf_file import layer_weight_bits
-    from .models.loader import DEFAULT_MODEL_LAYER_BITS
-
-    if str(target) == "default":
-        return DEFAULT_MODEL_LAYER_BITS
-    if presets.is_preset(str(target)):
-        return presets.get(str(target)).layer_bits
-    try:
-        return layer_weight_bits(Path(target).expanduser())
-    except (SpecdecError, OSError):
-        return None
-
-
-def resolve_quantize(quantize: str, device: str, target: str) -> str:
-    """"auto" -> on the CPU (where the int8 products are available), for a source whose weights are
-    already quantised: int4 when most of its layer weights are 4-bit (a Q4_K file: the int4 path
-    keeps their grid, reads 5/8 of int8's bytes, and follows llama.cpp's tokens on the same file
-    about as closely as int8 does), where the compiled kernels are built; else int8 (a GGUF's 5-8
-    bit blocks: int8 keeps more than they hold, and runs several times faster than bfloat16).
-    Float weights are kept as they are (none)."""
-    from .models import cpu_kernels
-    from .models.quant import cpu_int8_available
-
-    if quantize != "auto":
-        return quantize
-    if device != "cpu" or not cpu_int8_available() or not source_is_quantised(target):
-        return "none"
-    if source_layer_bits(target) == 4 and cpu_kernels.load() is not None:
-        return "int4"
-    return "int8"
-
-
-def resolve_drafter(drafter: str, target: str, draft_p_min: float | None = None) -> tuple[str, float | None]:
-    """(drafter, draft_p_min): "auto" -> for a preset target, prompt lookup first and its paired
-    draft model where lookup finds nothing (`ngram+DRAFT`), with the pair's confidence cut-off
-    unless one is given; else prompt lookup, which the cost-aware draft length turns down where it
-    finds nothing to copy. The lookup part costs nothing where it finds nothing, its weak matches
-    give way to the model (`DraftController.learned_first`), and where the draft model does not read a long
-    prompt (`policy.AskGate.reads`) lookup still drafts: on the pair's tuning prompts
-    (scripts/draft_tuning_prompts.jsonl) the combination was as fast as the draft model alone on
-    short prompts and 1.2-1.3x plain on the long summaries where the draft alone was plain."""
-    from .models import presets
-
-    if drafter != "auto":
-        return drafter, draft_p_min
-    if presets.is_preset(str(target)) and (pair := presets.get(str(target))).draft:
-        return f"ngram+{pair.draft}", pair.draft_p_min if draft_p_min is None else draft_p_min
-    return "ngram", draft_p_min
-
-
-def check_tree_drafter(name: str) -> None:
-    """A drafter name (before anything loads) that can draft token trees: ngram, eagle[:DIR],
-    ngram+eagle[:DIR]; else the one-line error."""
-    parts = split_name(name)
-    if not (name == "ngram" or is_eagle_name(name) or (parts is not None and parts[0] == "ngram"
-                                                       and is_eagle_name(parts[1]))):
-        raise _no_trees(name)
-
-
-def pair_draft_vocab(target: str) -> int | None:
-    """The reduced draft vocabulary of a preset target's paired draft model under `drafter="auto"`
-    (None: all ids): measured the pair's best lossless setting (BENCHMARKS.md)."""
-    from .models import presets
-
-    if presets.is_preset(str(target)) and (pair := presets.get(str(target))).draft:
-        return pair.draft_vocab
-    return None
-
-
-def _no_trees(name: str) -> InvalidRequestError:
-    return InvalidRequestError(f"drafter {name!r} cannot propose draft trees; eagle, ngram and ngram+eagle can",
-                               "draft_tree")
-
 
 @dataclass
 class Stats:
@@ -465,23 +234,19 @@ class Engine:
         tokenizer: Tokenizer | None,
         *,
         drafter: Drafter | None = None,
-        num_speculative_tokens: int = 5,
-        draft_length: str | None = None,
-        draft_tree: TreeShape | str | None = None,
-        verify_cost: float | None = None,
-        verify_overhead: float | None = None,
-        screen_verify: bool = True,
-        kv_dtype: str = "auto",
         settings: DecodingSettings | None = None,
+        **options,
     ):
-        # `settings` (from Engine.load, validated there) or the keywords, validated here, once.
+        """`settings` (from `Engine.build`, resolved there), or `options`: `DecodingSettings`'
+        decoding keywords (num_speculative_tokens, draft_length, draft_tree, verify_cost,
+        verify_overhead, screen_verify, kv_dtype), validated here, once; None = the default."""
         if settings is None:
-            settings = DecodingSettings(num_speculative_tokens=num_speculative_tokens, draft_length=draft_length,
-                                        draft_tree=draft_tree, verify_cost=verify_cost,
-                                        verify_overhead=verify_overhead, kv_dtype=kv_dtype)
+            settings = DecodingSettings(**{key: value for key, value in options.items() if value is not None})
+        elif options:
+            raise TypeError(f"Engine: give settings or keywords, not both ({', '.join(options)})")
         tree = settings.draft_tree
         if tree is not None and (drafter is None or not drafter.needs.trees):
-            raise _no_trees(drafter.name if drafter is not None else "none")
+            raise builder.no_trees(drafter.name if drafter is not None else "none")
         self.settings = settings
         self.model = model
         self.tokenizer = tokenizer
@@ -495,7 +260,7 @@ class Engine:
         self.verify_cost, self.verify_overhead = settings.verify_cost, settings.verify_overhead
         # Greedy chains on a target whose head can score chosen columns exactly (int8 on the CPU)
         # are verified with the head's full product only up to the first certain rejection.
-        self.screen_verify = screen_verify and self._head_columns_exact()
+        self.screen_verify = settings.screen_verify and self._head_columns_exact()
         self.draft_costs: dict[str, policy.DraftCost] = {}  # drafter name -> its measured price
         self._grammar_tokens = None  # the tokenizer as the grammar engine sees it, built on first use
 
@@ -504,83 +269,51 @@ class Engine:
         cls,
         target: str = "default",
         *,
-        drafter: str = "auto",
-        num_speculative_tokens: int = 5,
-        device: str = "cpu",
-        dtype: str = "auto",
+        drafter: str | None = None,
+        num_speculative_tokens: int | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
         draft_length: str | None = None,
         progress=None,
         draft_p_min: float | None = None,
-        quantize: str = "auto",
+        quantize: str | None = None,
         draft_tree: TreeShape | str | None = None,
         verify_cost: float | None = None,
         verify_overhead: float | None = None,
-        screen_verify: bool = True,
+        screen_verify: bool | None = None,
         draft_quantize: str | None = None,
         draft_vocab: int | None = None,
-        tensor_parallel: int = 1,
-        kv_dtype: str = "auto",
+        tensor_parallel: int | None = None,
+        kv_dtype: str | None = None,
     ) -> "Engine":
-        """Load a target (and drafter) ready to generate.
-
-        `tensor_parallel` N > 1 splits the target over N processes (`models/tensor_parallel.py`):
-        this process is rank 0 and runs the drafter and verification; the other ranks are spawned
-        here (or are torchrun's). The drafter must not read the target's internals (an EAGLE head
-        does), and a named model with a paired draft model keeps that draft model, whole, here.
-
-        `draft_tree` (e.g. "5x4x24", see `TreeShape`) drafts token trees instead of chains; the
-        drafter must be one that proposes trees (eagle, ngram).
-
-        `quantize="int8"` replaces the target's linear layers and output head by int8 weight-only
-        versions (CPU only; see `models/quant.py`). That changes the target model itself, so plain
-        and speculative decoding are compared on the same quantised target. "auto" (the default)
-        is, on the CPU for a source that is already quantised, int4 where most of its layer
-        weights are 4-bit and int8 otherwise (`resolve_quantize`).
+        """Load a target (and drafter) ready to generate: the keywords are `DecodingSettings`' fields
+        (each default and its reason is written there; None = that default), built by
+        `Engine.build`. `progress(...)` hears the loads' progress.
 
         `drafter="auto"` (the default) is prompt lookup, or for a preset target with a paired draft
-        model, lookup first and that draft model where lookup finds nothing (`resolve_drafter`) with the pair's reduced vocabulary unless
-        `draft_vocab` is given (`pair_draft_vocab`). `draft_quantize` sets the
-        draft model's quantisation (default: the target's).
-
-        `kv_dtype` is the target cache's element type: "auto" (float16 under a float32 model on the
-        CPU, else the model's dtype), "float32" or "float16" (`kv_cache.resolve_kv_dtype`).
+        model, lookup first and that draft model where lookup finds nothing, with the pair's
+        reduced vocabulary unless `draft_vocab` is given (`builder.resolve`). `draft_tree` (e.g.
+        "5x4x24") drafts token trees with a drafter that proposes them (eagle, ngram).
+        `quantize="auto"` (the default) is, on the CPU for a source that is already quantised,
+        int4 where most of its layer weights are 4-bit and int8 otherwise; plain and speculative
+        decoding are compared on the same target. `tensor_parallel` N > 1 splits the target over N
+        processes (`models/tensor_parallel.py`; not with an EAGLE head, which reads the target's
+        internals).
         """
-        device = resolve_device(device)
-        quantize = resolve_quantize(quantize, device, target)
-        if drafter == "auto" and draft_vocab is None:
-            draft_vocab = pair_draft_vocab(target)
-        drafter, draft_p_min = resolve_drafter(drafter, target, draft_p_min)
-        check_tensor_parallel(tensor_parallel, device, drafter)
-        # Every option, validated once, before the slow target load.
-        settings = DecodingSettings(quantize=quantize, device=device, num_speculative_tokens=num_speculative_tokens,
-                                    draft_length=draft_length, draft_tree=draft_tree, verify_cost=verify_cost,
-                                    verify_overhead=verify_overhead, draft_p_min=draft_p_min,
-                                    draft_quantize=draft_quantize, draft_vocab=draft_vocab, kv_dtype=kv_dtype)
-        torch_dtype = resolve_dtype(dtype, device, quantize)
-        # A bad drafter name or option fails before the slow target load; a draft model is loaded
-        # after the target, whose vocabulary, device and dtype it takes.
-        draft_path = draft_model_path(drafter)
-        made = None if draft_path else make_drafter(drafter, draft_p_min=draft_p_min)
-        if settings.draft_tree is not None:
-            check_tree_drafter(drafter)
-        # The tokenizer first: reading Gemma's 262k-token vocabulary peaks at ~0.5 GB of parser
-        # temporaries, which are handed back before the weights arrive rather than on top of them.
-        folder = loader.resolve(target, progress, quantize if tensor_parallel == 1 else "none")
-        config = loader.read_config(folder)  # a bad config fails before the tokenizer is read
-        if tensor_parallel != 1:
-            from .models.tensor_parallel import check_split
+        options = dict(drafter=drafter, num_speculative_tokens=num_speculative_tokens, device=device, dtype=dtype,
+                       draft_length=draft_length, draft_p_min=draft_p_min, quantize=quantize, draft_tree=draft_tree,
+                       verify_cost=verify_cost, verify_overhead=verify_overhead, screen_verify=screen_verify,
+                       draft_quantize=draft_quantize, draft_vocab=draft_vocab, tensor_parallel=tensor_parallel,
+                       kv_dtype=kv_dtype)
+        # Every option validated once, before the slow target load.
+        settings = DecodingSettings(target=target, **{key: v for key, v in options.items() if v is not None})
+        return cls.build(settings, progress)
 
-            check_split(config, tensor_parallel)
-        tokenizer = Tokenizer.from_folder(folder)
-        loader.release_freed_memory()
-        if tensor_parallel != 1:
-            model = _parallel_target(folder, torch_dtype, device, quantize, tensor_parallel)
-        else:
-            model, _ = loader.load(folder, torch_dtype, device, progress, quantize)
-        if draft_path:
-            made = make_drafter(drafter, model, tokenizer, draft_p_min, progress, draft_quantize=draft_quantize,
-                                 draft_vocab=draft_vocab, kv_dtype=settings.kv_dtype)
-        return cls(model, tokenizer, drafter=made, screen_verify=screen_verify, settings=settings)
+    @classmethod
+    def build(cls, settings: DecodingSettings, progress=None) -> "Engine":
+        """The engine `settings` describe: resolved and loaded by `builder.build`."""
+        built = builder.build(settings, progress)
+        return cls(built.model, built.tokenizer, drafter=built.drafter, settings=built.settings)
 
     @property
     def device(self) -> torch.device:

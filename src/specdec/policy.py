@@ -517,7 +517,7 @@ class DraftController:
             # One kind of guess, known before asking: nothing to propose when the rule wants no
             # draft (a model drafter's forward would be spent for nothing).
             k = min(self.rule.next_k(), limit)
-        if k and (unread := drafter.pending(context)):
+        if k and drafter.needs.reads and (unread := drafter.pending(context)):
             self._read(context, unread)  # a fixed length reads whatever it costs, timed apart
         return k
 
@@ -529,7 +529,7 @@ class DraftController:
         allowance only shrinks). Only the prompt's read is weighed: a catch-up after a pause is
         part of the probe the gate chose to make, and weighing it against the stale value that
         the probe is there to refresh would put the probe off."""
-        unread = self.drafter.pending(context)
+        unread = self.drafter.pending(context) if self.drafter.needs.reads else 0
         if not unread:
             self.read = True  # a short prompt: read along with the first proposal
             return True

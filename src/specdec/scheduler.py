@@ -110,15 +110,15 @@ from typing import Callable
 
 import torch
 
-from .drafters import NgramDrafter, SuffixDrafter
+from . import builder
 from .drafters.base import Drafter, TreeShape
-from .drafters.combined import lookup_first
 from .engine import Emitted, Engine, Row, Stats
 from .errors import Fault, InvalidRequestError, SpecdecError
 from .models.transformer import Transformer
 from .policy import PREDICTION_K_MAX, GoodputModel, LoadCap, budget_ceiling
 from .prefix_cache import PrefixCache
 from .request import Delta, Request, RequestHandle, Timing, Usage
+from .settings import DEFAULT_NUM_SPECULATIVE_TOKENS, DecodingSettings
 from .sources import SourceSplitter
 from .step import TokenLogprob
 from .tokenizer import Tokenizer
@@ -141,21 +141,8 @@ def serving_drafters(name: str = "none", target: Transformer | None = None, toke
     by these names, never by a path: every row gets a `spawn()` of one of them (own state, shared
     weights).
     """
-    from .drafters.combined import split_name
-    from .engine import make_drafter
-
-    drafters: dict[str, Drafter | None] = {"none": None, "ngram": NgramDrafter(), "suffix": SuffixDrafter()}
-    if name in drafters:
-        return drafters, name
-    parts = split_name(name)
-    learned = make_drafter(parts[1] if parts else name, target, tokenizer, draft_p_min, progress,
-                           draft_vocab=draft_vocab, kv_dtype=kv_dtype)
-    if learned is None:  # `ngram+none` and the like
-        raise InvalidRequestError(f"unknown drafter {name!r}", "drafter")
-    drafters[learned.name] = learned
-    for lookup in ("ngram", "suffix"):
-        drafters[f"{lookup}+{learned.name}"] = lookup_first(drafters[lookup].spawn(), learned)
-    return drafters, (f"{parts[0]}+{learned.name}" if parts else learned.name)
+    settings = DecodingSettings(draft_p_min=draft_p_min, draft_vocab=draft_vocab, kv_dtype=kv_dtype)
+    return builder.serving_drafters(name, builder.Made(target, tokenizer, settings, progress))
 
 
 class QueueFullError(SpecdecError):
@@ -232,7 +219,7 @@ class BatchScheduler:
         drafter: str = "none",
         drafters: dict[str, Drafter | None] | None = None,
         draft_trees: dict[str, TreeShape] | None = None,
-        num_speculative_tokens: int = 5,
+        num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
         max_batch: int = 16,
         max_queue: int = 64,
         max_model_len: int | None = None,
@@ -287,7 +274,7 @@ class BatchScheduler:
         room = max([self.k_max, PREDICTION_K_MAX] + [shape.budget for shape in draft_trees.values()])
         self.cache = self.engine.new_cache(max_batch, self.max_model_len + room + 1)
         for loaded in drafters.values():  # model drafters: one cache for all rows, drafting batched
-            if loaded is not None:
+            if loaded is not None and loaded.needs.batches:
                 loaded.reserve(max_batch, self.max_model_len + room + 1)
         self._lock = threading.Condition()
         self._waiting: deque[_Sequence] = deque()  # guarded by _lock

@@ -1,17 +1,22 @@
-"""The decoding settings that `generate`, `serve`, `bench` and `Engine` share: one frozen object,
-validated once, when it is made.
+"""The decoding settings that `generate`, `serve`, `bench` and `Engine` share: one frozen object
+that says everything needed to build an engine (target, drafter, quantisation, device, dtype,
+cache, draft length rule, k, tree shape, draft model options), each default and its reason written
+once, below; validated once, when it is made.
 
-The CLIs build it from their arguments before anything slow happens (a bad value is one error line
-and a nonzero exit; in the server, the process does not start), `Engine.load` builds it from its
-keywords before the target loads, and `Engine` keeps it. Every check that used to be repeated
-(in the engine, the policy and the drafters' constructors) lives in `__post_init__`, with the
-messages and the `param` names the CLI and the server report. Per-request values (prompt ids,
-sampling parameters, token limits) are checked per request, where they arrive, not here.
+`builder.resolve` turns what was asked ("auto" drafter, quantisation) into what will load and
+`builder.build` loads it; `Engine.load(**keywords)` is this object made from its keywords and
+built. The CLIs make it from their arguments before anything slow happens (a bad value is one
+error line and a nonzero exit; in the server, the process does not start). Every check lives in
+`__post_init__`, with the messages and the `param` names the CLI and the server report.
+Per-request values (prompt ids, sampling parameters, token limits) are checked per request, where
+they arrive, not here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from .drafters.base import TreeShape
 from .errors import InvalidRequestError
@@ -21,16 +26,38 @@ from .models.quant import QUANT_MODES
 from .policy import DRAFT_LENGTHS, default_draft_length
 
 
+# The most draft tokens a chain step asks for (k), the one default every entry point refers to: 5
+# measured best for prompt lookup on the Spec-Bench mix (BENCHMARKS.md); the cost-aware rule drafts
+# fewer where that pays more.
+DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+
+# The dtype names the settings take ("auto" is resolved per device by `builder.resolve_dtype`).
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
 @dataclass(frozen=True)
 class DecodingSettings:
+    # The target: "default" (the Gemma 3 270M GGUF from its PyPI package), a preset name
+    # (`specdec models`), or a model folder / file.
+    target: str = "default"
+    # The drafter by its registry name (`builder.REGISTRY`: none, ngram, suffix, eagle[:DIR], a
+    # draft model's preset or path, LOOKUP+LEARNED). "auto": prompt lookup, or for a preset target
+    # with a paired draft model lookup first and that model where lookup finds nothing
+    # (`builder.resolve_drafter`): the combination the pair's tuning measured best.
+    drafter: str = "auto"
     # The target's weights: int8 / int4 weight-only products on the CPU, or as loaded ("none").
-    # ("auto" is resolved before, by `engine.resolve_quantize`, which knows the source.)
-    quantize: str = "none"
-    # Where the target runs; resolved ("cuda" checked available) by `engine.resolve_device`.
+    # "auto": int4 / int8 for a source that comes quantised (a GGUF), kept as loaded for float
+    # weights (`builder.resolve_quantize`, which knows the source).
+    quantize: str = "auto"
+    # Where the target runs: the CPU unless asked; "cuda" is checked available by `builder.resolve`.
     device: str = "cpu"
-    # The most draft tokens a chain step asks for: 5 measured best for prompt lookup on the
-    # Spec-Bench mix (BENCHMARKS.md); the cost-aware rule drafts fewer where that pays more.
-    num_speculative_tokens: int = 5
+    # The target's compute dtype: "auto" = bfloat16 on a GPU or a CPU with native bf16, float32
+    # otherwise and under int8 / int4 (`builder.resolve_dtype`); or a name of `DTYPES`.
+    dtype: str = "auto"
+    # Ranks the target is split over (`models/tensor_parallel.py`); 1: one process, no split.
+    tensor_parallel: int = 1
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     # The chain rule: "cost" (priced per kind of proposal), "fixed", "adaptive" (+2/-1). None:
     # "cost" for chains, "fixed" for a tree, whose shape is fixed (`policy.default_draft_length`).
     # Under "cost" a draft model sizes each chain from its own confidences (`policy.ChainStop`),
@@ -54,9 +81,16 @@ class DecodingSettings:
     # The target's KV cache elements (`kv_cache.resolve_kv_dtype`): "auto" = float16 under a float32
     # model on the CPU, else the model's dtype; "float32" or "float16" as named.
     kv_dtype: str = "auto"
+    # Greedy chains on a target whose head scores chosen columns exactly (int8 on the CPU) verify
+    # with the full head only up to the first certain rejection: same verdict, fewer columns.
+    screen_verify: bool = True
 
     def __post_init__(self) -> None:
-        check_quantize(self.quantize, self.device)
+        if self.quantize != "auto":
+            check_quantize(self.quantize, self.device)
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise InvalidRequestError(f"unknown dtype {self.dtype!r}; choose auto, float32, bfloat16 or float16",
+                                      "dtype")
         if self.kv_dtype not in KV_DTYPES:
             raise InvalidRequestError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {self.kv_dtype!r}",
                                       "kv_dtype")

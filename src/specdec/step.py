@@ -204,7 +204,8 @@ def _propose_batched(rows: list, plans: list, faults: Faults) -> dict[int, tuple
     batched: dict[int, tuple[Proposal, float]] = {}
     groups: dict[int, list[tuple[int, Drafter, int]]] = {}  # key -> (row, drafter, k) of each member
     for r, (row, plan) in enumerate(zip(rows, plans)):
-        if r in faults or not isinstance(plan, int) or plan == 0 or (key := row.drafter.batch_key()) is None:
+        if r in faults or not isinstance(plan, int) or plan == 0 or not row.drafter.needs.batches \
+                or (key := row.drafter.batch_key()) is None:
             continue
         member = faults.run(r, _batch_member, row, plan, batched, r)
         if member is not None:

@@ -526,7 +526,7 @@ def _bar(total: int, desc: str, initial: int = 0):
 def train(target_name: str, out: Path, cfg: TrainConfig, resume: bool = False, dtype: str = "float32",
           device: str = "cpu", log=print) -> Path:
     """Load the target, then `train_head` or `train_model` (by `cfg.kind`)."""
-    from .engine import resolve_device, resolve_dtype
+    from .builder import resolve_device, resolve_dtype
     from .models import loader
     from .tokenizer import Tokenizer
 

@@ -101,7 +101,7 @@ def run(args) -> int:
 
     # Everything that can be checked without a model is checked first: bad input fails at once.
     _check_outputs(args)
-    from ..engine import resolve_quantize
+    from ..builder import resolve_quantize
     from ..models import presets
 
     draft_model = args.draft_model

@@ -47,7 +47,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..builder import parse as parse_drafter
 from ..errors import InvalidRequestError
+from ..settings import DEFAULT_NUM_SPECULATIVE_TOKENS
 
 # kind -> (family, {option: type}); "flag" options take no value.
 _DTYPE = str
@@ -196,12 +198,10 @@ def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
             raise InvalidRequestError(f"{item!r} needs a draft model: add :model=PATH or pass --draft-model PATH",
                                       "configs")
     if kind == "eagle":
-        from ..drafters.eagle import eagle_head_path
-
         if options.get("lookup") == "suffix" and "tree" in options:
             raise InvalidRequestError(f"{item!r}: suffix lookup drafts no trees; use lookup=ngram", "configs")
         try:  # a missing head fails now, not after the target loads
-            eagle_head_path(eagle_name({**options, "lookup": None}))
+            parse_drafter(eagle_name({**options, "lookup": None}))
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{item!r}: {exc}", "configs") from None
     if kind in ("ngram", "suffix"):
@@ -215,7 +215,7 @@ def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
 
 
 def eagle_name(options: dict) -> str:
-    """The drafter name Engine.load / make_drafter take: `eagle` or `eagle:DIR`, after `LOOKUP+`
+    """The drafter name Engine.load / builder.parse take: `eagle` or `eagle:DIR`, after `LOOKUP+`
     with the lookup option."""
     head = f"eagle:{options['head']}" if options.get("head") else "eagle"
     return f"{options['lookup']}+{head}" if options.get("lookup") else head
@@ -251,7 +251,8 @@ def ref_load_options(config: BenchConfig, dtype: str, quantize: str | None, devi
     """Engine.load's keywords for a ref@ configuration on the target (dtype, quantize). Options left
     out are None; the worker drops a None the other tree's Engine.load does not know."""
     o = config.options
-    return {"drafter": ref_drafter_name(config), "num_speculative_tokens": config.k or 5, "device": device,
+    return {"drafter": ref_drafter_name(config), "device": device,
+            "num_speculative_tokens": config.k or DEFAULT_NUM_SPECULATIVE_TOKENS,
             "dtype": dtype, "quantize": quantize or "none", "draft_length": config.draft_length,
             "draft_tree": o.get("tree"), "draft_p_min": o.get("p_min"),
             "draft_quantize": o.get("draft_quantize"), "draft_vocab": o.get("vocab")}

@@ -44,7 +44,10 @@ from pathlib import Path
 
 import torch
 
+from .. import builder
+from ..builder import resolve_device, resolve_dtype
 from ..errors import InvalidRequestError, SpecdecError
+from ..settings import DEFAULT_NUM_SPECULATIVE_TOKENS, DecodingSettings
 from .common import BenchResult, PromptInfo, Run, Settings, load_progress, sync
 from .configs import (BenchConfig, counterparts, eagle_name, lookup_drafter, ref_load_options, target_key,
                       with_baselines)
@@ -172,7 +175,7 @@ class SpecdecRunner:
         inner = self.make_drafter()
         self.drafter = TimedDrafter(inner) if inner is not None else None
         self.engine = Engine(self.model, self.tokenizer, drafter=self.drafter,
-                             num_speculative_tokens=self.config.k or 5,
+                             num_speculative_tokens=self.config.k or DEFAULT_NUM_SPECULATIVE_TOKENS,
                              draft_length=self.config.draft_length, draft_tree=self.config.options.get("tree"))
 
     def generate(self, ids: tuple[int, ...], max_new: int) -> Run:
@@ -301,8 +304,6 @@ def ref_source(path: str | None) -> Path:
 def canonical_dtype(device: str) -> Callable[..., str]:
     """(dtype name, quantisation) -> the torch dtype it resolves to on `device`, as a name ("auto" ->
     "float32")."""
-    from ..engine import resolve_dtype
-
     return lambda name, quantize=None: str(resolve_dtype(name, device, quantize or "none")).removeprefix("torch.")
 
 
@@ -356,8 +357,6 @@ def run_bench(settings: Settings, configs: list[BenchConfig], prompts: list[Benc
     `log(message)` gets one-line notes (loading, skipped peers); `total(n)` the number of runs
     about to happen (warm-up included); `progress(label)` is called after each run.
     """
-    from ..engine import resolve_device
-
     log = log or (lambda message: None)
     progress = progress or (lambda label: None)
     if settings.max_tokens < 1:
@@ -429,8 +428,8 @@ def _load_specdec(settings: Settings, configs: list[BenchConfig], device: str, c
         key = target_key(c, settings.dtype, settings.quantize, canon)
         if key not in targets:
             log(f"loading the target {settings.model} ({key[0]}{', ' + key[1] if key[1] != 'none' else ''})")
-            targets[key] = Engine.load(settings.model, drafter="none", device=device, dtype=key[0], quantize=key[1],
-                                       progress=load_progress(log))
+            targets[key] = Engine.build(DecodingSettings(target=settings.model, drafter="none", device=device,
+                                                         dtype=key[0], quantize=key[1]), load_progress(log))
         base = targets[key]
         described[c.label] = f"specdec {key[0]}" + (f" {key[1]}" if key[1] != "none" else "")
         runners[c.label] = SpecdecRunner(c, base.model, base.tokenizer, _drafter_factory(c, base, drafts, log),
@@ -551,19 +550,17 @@ def _drafter_factory(c: BenchConfig, base, drafts: dict, log) -> Callable[[], ob
     if c.kind in ("ngram", "suffix"):
         return lambda: lookup_drafter(c.kind, c.options)
     if c.kind == "eagle":
-        from ..engine import make_drafter
-
         log(f"loading the EAGLE head {c.options.get('head') or '(shipped)'}")
-        drafter = make_drafter(eagle_name(c.options), base.model, base.tokenizer, c.options.get("p_min"))
+        made = builder.Made(base.model, base.tokenizer, DecodingSettings(draft_p_min=c.options.get("p_min")))
+        drafter = builder.make_drafter(eagle_name(c.options), made)
         return lambda: drafter
     from ..drafters.combined import lookup_first
     from ..drafters.draft_model import DEFAULT_DRAFT_P_MIN, DraftModelDrafter
-    from ..engine import draft_quantize_for
     from ..models import loader
     from ..tokenizer import Tokenizer
 
     weight = base.model.embed_tokens.weight
-    quantize = draft_quantize_for(c.options.get("draft_quantize"), base.model)  # default: the target's
+    quantize = builder.draft_quantize_for(c.options.get("draft_quantize"), base.model)  # default: the target's
     key = (str(c.options["model"]), weight.dtype, quantize)
     if key not in drafts:
         log(f"loading the draft model {c.options['model']}{' (int8)' if quantize == 'int8' else ''}")

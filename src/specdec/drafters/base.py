@@ -15,12 +15,11 @@ Lifecycle of one request, as the engine drives it::
         drafter.feedback(num_accepted)
     drafter.end(output_ids)                      # output_ids = every generated token
 
-What a drafter needs from the core and what it can do is declared once, in its `needs`
-(`DrafterNeeds`): the core reads those flags and never probes a drafter's type or attributes. A
-drafter with `needs.trees` also has `propose_tree(context, depth, top_k, budget) -> TokenTree`; a
-row with a `TreeShape` calls it in place of `propose`, and `feedback` then gets the length of the
-accepted root-to-node path. One with `needs.observes` gets the target's hidden states of every
-committed token through `observe`.
+That is the core contract (`Drafter`: begin / propose / feedback / end). What else a drafter can
+do is declared once, in its `needs` (`DrafterNeeds`), each flag an optional capability with its
+own small protocol (`CAPABILITIES`: trees, batched drafting, observed hidden layers, the prompt
+read, self-sizing chains, lookup-first, a model's price); the core calls a capability's methods
+only where its flag is set, and never probes a drafter's type or attributes.
 """
 
 from __future__ import annotations
@@ -67,34 +66,40 @@ FINAL_HIDDEN = -1  # `DrafterNeeds.observes`: the target's final-normed hidden s
 
 @dataclass(frozen=True)
 class DrafterNeeds:
-    """What a drafter declares, once, about what it needs from the decoding core and what it does.
+    """What a drafter declares, once, about what it can do beyond the core contract (`Drafter`) and
+    what it needs from the decoding core. The core reads only these fields (never `isinstance`,
+    `hasattr` or attribute probes) and calls a capability's methods (`CAPABILITIES`) only where
+    its flag is set:
 
-    The core reads only these fields (never `isinstance` or attribute probes):
-
-    observes: the target layers whose hidden states the drafter reads through `observe`, one row
-        per token the target's cache commits, in order; None = none (lookup drafters, a draft
-        model). Today the core hands over `FINAL_HIDDEN` only (EAGLE-1/2); a head reading several
-        layers (EAGLE-3) declares their indices.
-    trees: whether `propose_tree` drafts token trees.
-    labels_proposals: whether `Proposal.source` says what kind of guess each proposal is (a
-        lookup's match length), so the draft-length rule keeps one acceptance estimate per kind
-        and the core asks for the most the rule may keep (looking up is free).
-    model: whether each drafted token costs a forward of a model (a draft model, an EAGLE head):
-        the policy then prices a draft token by the measured time of `propose`, and never asks
-        for zero tokens when the rule wants some.
-    fallback: whether `propose` takes `fallback_k`, the length for the learned part of a
-        lookup-first combination where lookup found nothing.
-    stops: whether the drafter sizes its own chains by their price (`stop_by`, a
-        `policy.ChainStop`): the core then asks it for the most the rule allows and keeps what it
-        drafts, rather than fixing k from the acceptance measured so far.
+    observes: the target layers whose hidden states the drafter reads through `observe`
+        (`Observer`), one row per token the target's cache commits, in order; None = none. Today
+        the core hands over `FINAL_HIDDEN` only (EAGLE-1/2); a head reading several layers
+        (EAGLE-3) declares their indices.
+    trees: it drafts token trees (`TreeDrafter.propose_tree`).
+    batches: rows whose drafters share a `batch_key()` draft in one `propose_batch` call
+        (`BatchDrafter`: one model forward per draft position for all of them).
+    reads: it must read the context it has not seen before drafting after it (`PromptReader`:
+        `pending` / `read`), which the core times apart and may decide not to pay for.
+    stops: it sizes its own chains by their price (`SelfSizing.stop_by`, a `policy.ChainStop`):
+        the core asks it for the most the rule allows and keeps what it drafts.
+    fallback: it is a lookup-first combination (`LookupFirst`): `propose` takes `fallback_k` and
+        `learned_first`, and `propose_free` gives its free lookup proposal alone.
+    labels_proposals: its proposals carry `Proposal.source` (a lookup's match length), so the
+        draft-length rule keeps one acceptance estimate per kind and the core asks for the most
+        the rule may keep (looking up is free).
+    model: each drafted token costs a forward of a model (a draft model, an EAGLE head): the
+        policy prices a draft token by the measured time of `propose` (from its `draft_cost`,
+        `Priced`), and never asks for zero tokens when the rule wants some.
     """
 
     observes: tuple[int, ...] | None = None
     trees: bool = False
+    batches: bool = False
+    reads: bool = False
+    stops: bool = False
+    fallback: bool = False
     labels_proposals: bool = False
     model: bool = False
-    fallback: bool = False
-    stops: bool = False
 
 
 LOOKUP_NEEDS = DrafterNeeds(labels_proposals=True)
@@ -102,24 +107,11 @@ LOOKUP_NEEDS = DrafterNeeds(labels_proposals=True)
 
 @runtime_checkable
 class Drafter(Protocol):
-    """What the engine needs from a drafter. State lives in the drafter object, per request.
-
-    Every drafter has every method below (`DrafterBase` gives the no-op ones); `needs` says which
-    of them the core calls (`observe` only with `needs.observes`, `propose_tree` only with
-    `needs.trees`).
-    """
+    """The core contract: what the engine calls on every drafter. State lives in the drafter
+    object, per request; what else it can do is declared in `needs` (`CAPABILITIES`)."""
 
     name: str
     needs: DrafterNeeds
-    # A model drafter's price of one draft token in plain target steps, where it measured it when
-    # loaded (`DraftModelDrafter.measure_cost`); the policy's online estimate starts from it.
-    # None: not measured (the policy's prior).
-    draft_cost: float | None
-
-    def spawn(self) -> "Drafter":
-        """A fresh drafter for another request, sharing whatever is heavy and read-only (a model's
-        weights, an EAGLE head): the server runs one per request, side by side."""
-        ...
 
     def begin(
         self,
@@ -138,68 +130,7 @@ class Drafter(Protocol):
         ...
 
     def propose(self, context: list[int], k: int) -> Proposal:
-        """Propose up to `k` tokens that follow `context` (prompt + all tokens emitted so far).
-        (With `needs.fallback`, also `fallback_k=`: see `combined.LookupFirstDrafter`.)"""
-        ...
-
-    def pending(self, context: list[int]) -> int:
-        """Tokens of `context` the drafter must read (a model forward over them) before it can
-        draft after it, beyond the few a proposal reads along with its first position: a draft
-        model's whole prompt before its first proposal, or the tokens emitted while it was not
-        asked. 0 for a drafter that reads nothing (lookup) and in steady state."""
-        ...
-
-    def read(self, context: list[int]) -> None:
-        """Read the `pending` tokens of `context` now, so that the next `propose` only drafts: the
-        core times the read apart from the drafts, and decides whether it pays at all
-        (`policy.AskGate.reads`)."""
-        ...
-
-    def propose_tree(self, context: list[int], depth: int, top_k: int, budget: int) -> TokenTree:
-        """With `needs.trees`: at most `budget` nodes, `depth` levels and `top_k` children per node.
-
-        The candidates are deterministic given the context (no q): verification treats each as
-        one-hot, which keeps sampling exact (see `verify.verify_tree_sampling`). Siblings come in
-        the order the drafter prefers them (tried in that order when sampling). An empty tree
-        means nothing to propose: the engine does a plain step.
-        """
-        ...
-
-    def observe(self, hidden: torch.Tensor) -> None:
-        """With `needs.observes`: the target's hidden states [T, h] of the tokens its cache just
-        committed, in commit order."""
-        ...
-
-    def reserve(self, rows: int, length: int) -> None:
-        """A server will run up to `rows` requests of up to `length` tokens side by side, each on
-        a `spawn()` of this drafter: a model drafter may give them one shared, batched cache."""
-        ...
-
-    def batch_key(self) -> object | None:
-        """Rows whose drafters give the same key (not None) propose in one call of
-        `propose_batch`; None: this row proposes alone."""
-        ...
-
-    def propose_batch(self, drafters: list["Drafter"], contexts: list[list[int]], ks: list[int]) -> list[Proposal]:
-        """`drafters[i].propose(contexts[i], ks[i])` for rows of one batch key, together (one model
-        forward per draft position for a draft model)."""
-        ...
-
-    def propose_free(self, context: list[int], k: int, learned_first=None) -> Proposal | None:
-        """With `needs.fallback`: the proposal that costs no model forward (a lookup's), or None
-        when there is none, or when `learned_first(its source)` prefers the learned part: the row
-        then drafts with `batch_member()`, in the batched forward of its batch key with the other
-        drafting rows."""
-        ...
-
-    def batch_member(self) -> "Drafter":
-        """The drafter whose `propose_batch` this row joins: itself, or a lookup-first
-        combination's learned part."""
-        ...
-
-    def stop_by(self, stop) -> None:
-        """With `needs.stops`: the `policy.ChainStop` (or None: draft the k asked for) that ends
-        this row's next chains; set by the core before each proposal."""
+        """Propose up to `k` tokens that follow `context` (prompt + all tokens emitted so far)."""
         ...
 
     def feedback(self, num_accepted: int) -> None:
@@ -211,48 +142,146 @@ class Drafter(Protocol):
         ...
 
 
+@runtime_checkable
+class Spawner(Protocol):
+    """A drafter a server can offer: one `spawn()` per request (`DrafterBase` gives one)."""
+
+    def spawn(self) -> "Drafter":
+        """A fresh drafter for another request, sharing whatever is heavy and read-only (a model's
+        weights, an EAGLE head): the server runs one per request, side by side."""
+        ...
+
+
+@runtime_checkable
+class TreeDrafter(Protocol):
+    """`needs.trees`."""
+
+    def propose_tree(self, context: list[int], depth: int, top_k: int, budget: int) -> TokenTree:
+        """At most `budget` nodes, `depth` levels and `top_k` children per node; called in place of
+        `propose` for a row with a `TreeShape`, and `feedback` then gets the length of the accepted
+        root-to-node path. The candidates are deterministic given the context (no q):
+        verification treats each as one-hot, which keeps sampling exact (see
+        `verify.verify_tree_sampling`). Siblings come in the order the drafter prefers them (tried
+        in that order when sampling). An empty tree means nothing to propose: a plain step."""
+        ...
+
+
+@runtime_checkable
+class Observer(Protocol):
+    """`needs.observes`."""
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        """The target's hidden states [T, h] of the tokens its cache just committed, in commit order
+        (the prompt's at the prefill, after `begin`)."""
+        ...
+
+
+@runtime_checkable
+class BatchDrafter(Protocol):
+    """`needs.batches`."""
+
+    def batch_key(self) -> object | None:
+        """Rows whose drafters give the same key (not None) propose in one call of
+        `propose_batch`; None: this row proposes alone."""
+        ...
+
+    def batch_member(self) -> "Drafter":
+        """The drafter whose `propose_batch` this row joins: itself, or a lookup-first
+        combination's learned part."""
+        ...
+
+    def propose_batch(self, drafters: list["Drafter"], contexts: list[list[int]], ks: list[int]) -> list[Proposal]:
+        """`drafters[i].propose(contexts[i], ks[i])` for rows of one batch key, together (one model
+        forward per draft position for a draft model)."""
+        ...
+
+    def reserve(self, rows: int, length: int) -> None:
+        """A server will run up to `rows` requests of up to `length` tokens side by side, each on
+        a `spawn()` of this drafter: it may give them one shared, batched cache."""
+        ...
+
+
+@runtime_checkable
+class PromptReader(Protocol):
+    """`needs.reads`."""
+
+    def pending(self, context: list[int]) -> int:
+        """Tokens of `context` the drafter must read (a model forward over them) before it can
+        draft after it, beyond the few a proposal reads along with its first position: a draft
+        model's whole prompt before its first proposal, or the tokens emitted while it was not
+        asked. 0 in steady state."""
+        ...
+
+    def read(self, context: list[int]) -> None:
+        """Read the `pending` tokens of `context` now, so that the next `propose` only drafts: the
+        core times the read apart from the drafts, and decides whether it pays at all
+        (`policy.AskGate.reads`)."""
+        ...
+
+
+@runtime_checkable
+class SelfSizing(Protocol):
+    """`needs.stops`."""
+
+    def stop_by(self, stop) -> None:
+        """The `policy.ChainStop` (or None: draft the k asked for) that ends this row's next
+        chains; set by the core before each proposal."""
+        ...
+
+
+@runtime_checkable
+class LookupFirst(Protocol):
+    """`needs.fallback`: a lookup-first combination (`combined.LookupFirstDrafter`)."""
+
+    def propose(self, context: list[int], k: int, fallback_k: int | None = None, learned_first=None) -> Proposal:
+        """Lookup's proposal of up to `k` tokens, else up to `fallback_k` from the learned part."""
+        ...
+
+    def propose_free(self, context: list[int], k: int, learned_first=None) -> Proposal | None:
+        """The proposal that costs no model forward (a lookup's), or None when there is none, or
+        when `learned_first(its source)` prefers the learned part: the row then drafts with
+        `batch_member()`, in the batched forward of its batch key with the other drafting rows."""
+        ...
+
+
+@runtime_checkable
+class Priced(Protocol):
+    """`needs.model`."""
+
+    # A model drafter's price of one draft token in plain target steps, where it measured it when
+    # loaded (`DraftModelDrafter.measure_cost`); the policy's online estimate starts from it.
+    # None: not measured (the policy's prior).
+    draft_cost: float | None
+
+
+# Each optional capability: its `DrafterNeeds` flag -> the methods a drafter declaring it has.
+CAPABILITIES: dict[str, type] = {"observes": Observer, "trees": TreeDrafter, "batches": BatchDrafter,
+                                 "reads": PromptReader, "stops": SelfSizing, "fallback": LookupFirst,
+                                 "model": Priced}
+
+
+def declared(needs: DrafterNeeds) -> set[str]:
+    """The optional capabilities `needs` declares (keys of `CAPABILITIES`)."""
+    return {flag for flag in CAPABILITIES if getattr(needs, flag) not in (None, False)}
+
+
+def missing_capabilities(drafter) -> list[str]:
+    """The capabilities a drafter declares without having their methods (empty: it keeps its word)."""
+    return sorted(flag for flag in declared(drafter.needs) if not isinstance(drafter, CAPABILITIES[flag]))
+
+
 class DrafterBase:
-    """The no-op parts of the contract, for drafters to inherit: nothing to observe, no trees,
-    nothing learned from feedback, no per-request state to drop."""
+    """The no-op parts of the core contract, for drafters to inherit (nothing learned from
+    feedback, no per-request state to drop), and a `spawn` that makes a fresh one of its class.
+    The optional capabilities are not here: a drafter that declares one writes its methods."""
 
     name = "drafter"
     needs = DrafterNeeds()
-    draft_cost: float | None = None
 
     def spawn(self):
         return type(self)()
 
     def begin(self, prompt_ids: list[int], sampling=None, generator=None) -> None:
-        pass
-
-    def pending(self, context: list[int]) -> int:
-        return 0
-
-    def read(self, context: list[int]) -> None:
-        pass
-
-    def propose_tree(self, context: list[int], depth: int, top_k: int, budget: int) -> TokenTree:
-        raise NotImplementedError(f"drafter {self.name!r} does not draft trees (needs.trees is False)")
-
-    def observe(self, hidden) -> None:
-        pass
-
-    def reserve(self, rows: int, length: int) -> None:
-        pass
-
-    def batch_key(self) -> object | None:
-        return None
-
-    def propose_batch(self, drafters, contexts, ks):
-        return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]
-
-    def propose_free(self, context: list[int], k: int, learned_first=None) -> Proposal | None:
-        return None
-
-    def batch_member(self):
-        return self
-
-    def stop_by(self, stop) -> None:
         pass
 
     def feedback(self, num_accepted: int) -> None:

@@ -32,9 +32,7 @@ class LookupFirstDrafter(DrafterBase):
         self.learned = learned
         self.fallback_k = fallback_k
         self.name = f"{lookup.name}+{learned.name}"
-        self.needs = DrafterNeeds(observes=learned.needs.observes, trees=lookup.needs.trees and learned.needs.trees,
-                                  labels_proposals=True, model=learned.needs.model, fallback=True,
-                                  stops=learned.needs.stops)
+        self.needs = combine_needs(lookup.needs, learned.needs)
         self._last = lookup
 
     @property
@@ -64,6 +62,10 @@ class LookupFirstDrafter(DrafterBase):
 
     def batch_member(self):
         return self.learned
+
+    def propose_batch(self, drafters, contexts, ks):
+        # `drafters` are batch members (learned parts, `batch_member`): their own batched call.
+        return self.learned.propose_batch(drafters, contexts, ks)
 
     def pending(self, context: list[int]) -> int:
         return self.learned.pending(context)
@@ -102,7 +104,7 @@ class LookupFirstDrafter(DrafterBase):
     def propose_tree(self, context: list[int], depth: int = 5, top_k: int = 4, budget: int = 24) -> TokenTree:
         """With both parts drafting trees (ngram and the EAGLE head): lookup's tree, else the head's."""
         if not self.needs.trees:
-            return super().propose_tree(context, depth, top_k, budget)
+            raise NotImplementedError(f"drafter {self.name!r} does not draft trees (needs.trees is False)")
         tree = self.lookup.propose_tree(context, depth, top_k, budget)
         if len(tree):
             self._last = self.lookup
@@ -118,15 +120,15 @@ class LookupFirstDrafter(DrafterBase):
         self.learned.end(output_ids)
 
 
+def combine_needs(lookup: DrafterNeeds, learned: DrafterNeeds) -> DrafterNeeds:
+    """What a combination can do: the learned part's capabilities (observes, batches, reads, stops,
+    model), trees where both parts draft them, and its own labels and fallback. Its methods of each
+    capability forward to the part that has it; the core calls them only where this declares it."""
+    return DrafterNeeds(observes=learned.observes, trees=lookup.trees and learned.trees, batches=learned.batches,
+                        reads=learned.reads, stops=learned.stops, fallback=True, labels_proposals=True,
+                        model=learned.model)
+
+
 def lookup_first(lookup, learned, fallback_k: int = 4) -> LookupFirstDrafter:
     """The combination (it drafts trees when both parts can)."""
     return LookupFirstDrafter(lookup, learned, fallback_k)
-
-
-def split_name(name: object) -> tuple[str, str] | None:
-    """`ngram+LEARNED` / `suffix+LEARNED` -> (lookup name, learned name); None for any other name
-    (a path with a `+` in it stays a path)."""
-    if not isinstance(name, str):
-        return None
-    lookup, plus, learned = name.partition("+")
-    return (lookup, learned) if plus and lookup in ("ngram", "suffix") else None

@@ -140,7 +140,7 @@ class DraftModelDrafter(DrafterBase):
     """
 
     name = "draft_model"
-    needs = DrafterNeeds(model=True, stops=True)
+    needs = DrafterNeeds(batches=True, reads=True, stops=True, model=True)
 
     def __init__(
         self,
@@ -282,6 +282,9 @@ class DraftModelDrafter(DrafterBase):
         pool = self._pool
         if pool is None or pool.cache.batch < rows or pool.cache.capacity < length:
             self._pool = DraftPool(self.model.new_cache(rows, length, dtype=self.kv_dtype))
+
+    def batch_member(self) -> "DraftModelDrafter":
+        return self
 
     def batch_key(self) -> object | None:
         """Rows whose drafters return the same key propose together (`propose_batch`)."""

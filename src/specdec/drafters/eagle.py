@@ -64,18 +64,14 @@ DEFAULT_HEAD_DIR = Path(__file__).parent / "eagle_default"
 _INITIAL_ROOM = 256  # head cache slots beyond the prompt at `begin`; doubles when full
 
 
-# -- names: "eagle" (the shipped head) or "eagle:PATH" ---------------------------------------------
+# -- a head's folder (the name `eagle` / `eagle:DIR` is parsed by `builder.parse`) --------------------
 
 
-def is_eagle_name(name: str | None) -> bool:
-    return isinstance(name, str) and (name == "eagle" or name.startswith("eagle:"))
-
-
-def eagle_head_path(name: str) -> Path:
-    """The folder a drafter name `eagle` / `eagle:PATH` names; raises if it holds no head."""
-    path = DEFAULT_HEAD_DIR if name == "eagle" else Path(name[len("eagle:"):]).expanduser()
+def check_head_folder(folder: Path | None) -> Path:
+    """The folder of a saved head (None: the shipped default head); raises if it holds no head."""
+    path = DEFAULT_HEAD_DIR if folder is None else Path(folder).expanduser()
     if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
-        where = "the shipped default head" if name == "eagle" else repr(str(path))
+        where = "the shipped default head" if folder is None else repr(str(path))
         raise InvalidRequestError(
             f"no EAGLE head at {where}: a head folder holds {CONFIG_FILE} and {WEIGHTS_FILE} "
             "(make one with `specdec train-draft --kind eagle --out DIR`)", "drafter")
@@ -292,7 +288,8 @@ class EagleDrafter(DrafterBase):
 
     name = "eagle"
     # The target's final-normed features of every committed token; EAGLE-2 style trees.
-    needs = DrafterNeeds(observes=(FINAL_HIDDEN,), trees=True, model=True)
+    needs = DrafterNeeds(observes=(FINAL_HIDDEN,), trees=True, batches=True, model=True)
+    draft_cost: float | None = None  # not measured: the policy's prior
 
     def __init__(self, model: EagleModel, draft_p_min: float = 0.0):
         self.model = model
@@ -320,6 +317,9 @@ class EagleDrafter(DrafterBase):
         if pool is None or pool.cache.batch < rows or pool.cache.capacity < length:
             attn, weight = self.model.head.block.self_attn, self.model.head.fc.weight
             self._pool = DraftPool(KVCache(1, rows, attn.kv_heads, attn.head_dim, length, weight.dtype, weight.device))
+
+    def batch_member(self) -> "EagleDrafter":
+        return self
 
     def batch_key(self) -> object | None:
         return self._pool if self._slot is not None else None
@@ -657,8 +657,3 @@ def _batched_pass(first: EagleDrafter, view, slots: list[int], lo: int, hi: int,
         view.lengths[r] += t
         out[i] = (out_feats[r : r + 1, t - 1 : t], logits[r, t - 1])
     return out
-
-
-def make_eagle_drafter(name: str, target: Transformer, draft_p_min: float | None = None) -> EagleDrafter:
-    """`eagle` (the shipped head) or `eagle:PATH`, bound to `target` on its device and dtype."""
-    return EagleDrafter.load(eagle_head_path(name), target, 0.0 if draft_p_min is None else draft_p_min)

@@ -50,9 +50,11 @@ require("server", "specdec.server.app", *SERVER_MODULES)
 from fastapi import FastAPI  # noqa: E402 (after the check that says what to install)
 from fastapi.responses import JSONResponse
 
+from .. import builder
 from ..drafters.base import TreeShape
 from ..models.transformer import Transformer
 from ..scheduler import BatchScheduler, serving_drafters
+from ..settings import DecodingSettings
 from ..tokenizer import Tokenizer
 from .http_errors import add_error_handlers, error_response
 from .options import ServerSettings
@@ -68,11 +70,10 @@ Load = Callable[[ServerSettings], tuple[Transformer, Tokenizer | None]]
 def load_model(settings: ServerSettings) -> tuple[Transformer, Tokenizer | None]:
     """Load the target model and its tokenizer. No drafter: `create_app` loads the server's drafters
     for it (`serving_drafters`), so a named pair's draft model is loaded once, there."""
-    from ..engine import Engine
-
-    engine = Engine.load(settings.model, drafter="none", device=settings.device, dtype=settings.dtype,
-                         quantize=settings.quantize, tensor_parallel=settings.tensor_parallel)
-    return engine.model, engine.tokenizer
+    target = DecodingSettings(target=settings.model, drafter="none", device=settings.device, dtype=settings.dtype,
+                              quantize=settings.quantize, tensor_parallel=settings.tensor_parallel,
+                              kv_dtype=settings.kv_dtype)
+    return builder.load_target(builder.resolve(target))
 
 
 def build_scheduler(settings: ServerSettings, model: Transformer, tokenizer: Tokenizer | None,

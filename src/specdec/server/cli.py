@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from ..engine import check_tensor_parallel, draft_model_path, resolve_device, resolve_dtype, resolve_quantize
+from .. import builder
 from ..errors import ModelLoadError, SpecdecError
 from ..extras import SERVER_MODULES, require
 from ..models.loader import check_path
@@ -38,16 +38,18 @@ def run(args) -> int:
     # Fail on a bad device, dtype, quantisation, model path or port before saying "serving"; the
     # model itself loads in the background while /health answers 503, and a load that fails stops
     # the server with the load error (exit status 2).
-    device = resolve_device(settings.device)
-    quantize = resolve_quantize(settings.quantize, device, settings.model)
-    resolve_dtype(settings.dtype, device, quantize)
-    # The decoding options, validated once (one error line, before the port is bound).
-    DecodingSettings(quantize=quantize, device=device, num_speculative_tokens=settings.num_speculative_tokens,
-                     draft_tree=settings.draft_tree, draft_p_min=settings.draft_p_min, kv_dtype=settings.kv_dtype)
+    # The decoding options, validated and resolved once by the builder (one error line, before the
+    # port is bound): an unknown drafter or a missing path fails here. The server's decoding
+    # settings are these (`app.load_model` loads the target of the same ones). The draft length rule
+    # is left out: in the server a tree shape applies only to the drafters that draw trees.
+    decoding = DecodingSettings(
+        target=settings.model, drafter=settings.drafter, quantize=settings.quantize, device=settings.device,
+        dtype=settings.dtype, tensor_parallel=settings.tensor_parallel, kv_dtype=settings.kv_dtype,
+        num_speculative_tokens=settings.num_speculative_tokens, draft_tree=settings.draft_tree,
+        draft_p_min=settings.draft_p_min, draft_vocab=settings.draft_vocab)
     if settings.model != "default":
         check_path(settings.model)
-    draft_model_path(settings.drafter)  # an unknown drafter or a missing path fails here
-    check_tensor_parallel(settings.tensor_parallel, device, settings.drafter)
+    builder.resolve(decoding)
     if args.replicas:
         if args.ray_address is None:
             # The local Ray started for this server stays on this machine's loopback; Ray otherwise

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from ..bench.prompts import select_prompts, spec_bench_path
 from ..extras import require
+from ..settings import DEFAULT_NUM_SPECULATIVE_TOKENS
 
 require("server", "the load test", "httpx")
 
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--drafter", default="ngram", choices=["ngram", "suffix"])
-    parser.add_argument("-k", type=int, default=5)
+    parser.add_argument("-k", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS)
     parser.add_argument("--spec-token-budget", type=int, default=None)
     parser.add_argument("--speculation-control", default="goodput", choices=["goodput", "budget"])
     parser.add_argument("--concurrency", default="1,4,16")

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..drafters.base import TreeShape
-from ..engine import check_tree_drafter, pair_draft_vocab, resolve_drafter
+from ..builder import check_tree_drafter, pair_draft_vocab, resolve_drafter
 from ..errors import InvalidRequestError, SpecdecError
 from ..policy import DRAFT_LENGTHS
 from ..scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_TOKENS
+from ..settings import DEFAULT_NUM_SPECULATIVE_TOKENS
 from .tenants import KeyRing
 
 
@@ -30,7 +31,7 @@ class ServerSettings:
     drafter: str = "none"
     draft_p_min: float | None = None  # a draft model's confidence cut-off (None: its default)
     draft_vocab: int | None = None  # a draft model's kept ids (FR-Spec; None: all)
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     draft_length: str | None = None  # each row's draft-length rule, as generate's (None: cost-aware)
     max_batch: int = 16
     max_queue: int = 64
@@ -78,7 +79,7 @@ def _model_arguments(parser) -> None:
                         help="a draft model scores only its N most frequent ids (FR-Spec; verification still "
                              "scores every id, so output is unchanged); 0 = all; default: the named pair's "
                              "setting under --drafter auto, else all ids")
-    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS, help="draft tokens per step")
     parser.add_argument("--draft-length", default=None, choices=DRAFT_LENGTHS,
                         help="each request's draft-length rule, as in `specdec generate` (default: cost), under the "
                              "batch's caps below")
