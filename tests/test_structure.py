@@ -145,3 +145,69 @@ def test_the_circle_finder_sees_circles_and_lazy_imports(tmp_path):
     assert circles(graph) == [["pkg.a", "pkg.sub.b"]]
     (pkg / "sub" / "b.py").write_text("import os\n")
     assert circles(import_graph(tmp_path, "pkg")) == []
+
+
+@pytest.mark.fast
+def test_no_module_or_function_over_the_size_rules():
+    """Issue 43's size rules: no module over 800 lines, no function (method, nested function) over
+    80, in src/specdec (bench and train included; the C++ kernels are not Python)."""
+    assert oversized() == []
+
+
+K_NAMES = {"k", "num_speculative_tokens", "draft_k"}
+K_OPTIONS = {"-k", "--k", "--num-speculative-tokens", "--draft-k"}
+
+
+def k_defaults(root: Path = SRC, package: str = PACKAGE) -> list[str]:
+    """'module:line' for every place that writes a default draft length k as a number: a parameter
+    or a dataclass field named like k with an integer default, a `DEFAULT...` constant of k, an
+    argparse option for k with `default=<int>`."""
+    out = []
+    for name, path in modules(root, package).items():
+        tree = ast.parse(path.read_text(), str(path))
+        # Assignments count at module and class level only (a constant, a dataclass field); inside
+        # a function `k = 0` is a value, not a default.
+        top = {id(n) for scope in [tree] + [c for c in ast.walk(tree) if isinstance(c, ast.ClassDef)]
+               for n in scope.body}
+        for node in ast.walk(tree):
+            found = False
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.args + node.args.kwonlyargs
+                defaults = [None] * (len(node.args.args) - len(node.args.defaults)) + list(node.args.defaults) \
+                    + list(node.args.kw_defaults)
+                found = any(a.arg in K_NAMES and isinstance(d, ast.Constant) and type(d.value) is int
+                            for a, d in zip(args, defaults))
+            elif isinstance(node, (ast.AnnAssign, ast.Assign)) and id(node) in top:
+                targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+                value = node.value
+                found = isinstance(value, ast.Constant) and type(value.value) is int and any(
+                    n in K_NAMES or ("DEFAULT" in n and ("SPECULATIVE_TOKENS" in n or n.endswith("_K"))) for n in names)
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+                flags = {a.value for a in node.args if isinstance(a, ast.Constant)}
+                found = bool(flags & K_OPTIONS) and any(
+                    kw.arg == "default" and isinstance(kw.value, ast.Constant) and type(kw.value.value) is int
+                    for kw in node.keywords)
+            if found:
+                out.append(f"{name}:{node.lineno}")
+    return out
+
+
+@pytest.mark.fast
+def test_the_default_k_is_written_once(tmp_path):
+    """The default draft length is one constant (settings.DEFAULT_NUM_SPECULATIVE_TOKENS); every
+    other default refers to it. The finder has power: a parameter, a field and an option that
+    write their own number are found."""
+    assert k_defaults() == ["specdec.settings:" + str(_line_of(SRC / PACKAGE / "settings.py",
+                                                               "DEFAULT_NUM_SPECULATIVE_TOKENS ="))]
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from dataclasses import dataclass\n\ndef f(x, k=5):\n    return x\n\n"
+                              "@dataclass\nclass S:\n    num_speculative_tokens: int = 4\n\n"
+                              "def g(p):\n    p.add_argument('--num-speculative-tokens', type=int, default=5)\n")
+    assert k_defaults(tmp_path, "pkg") == ["pkg.a:3", "pkg.a:8", "pkg.a:11"]
+
+
+def _line_of(path: Path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if line.startswith(text))
