@@ -208,7 +208,8 @@ class DraftModelDrafter(DrafterBase):
         from specdec.tokenizer import Tokenizer
 
         model, folder = loader.load(source, dtype, device, progress, quantize=quantize)
-        return cls(model, target_vocab_size, draft_p_min, Tokenizer.from_folder(folder), target_tokenizer, vocab,
+        tokenizer = Tokenizer.for_encoding(folder, target_tokenizer)  # the target's where the files are the same
+        return cls(model, target_vocab_size, draft_p_min, tokenizer, target_tokenizer, vocab,
                    kv_dtype=kv_dtype)
 
     def measure_cost(self, target: Transformer, context: int = 64, repeats: int = 5) -> float:
