@@ -41,8 +41,10 @@ def entry_of(model) -> str | None:
 
 def machine_signature() -> str:
     """What a measured price depends on besides the two models: the processor, its core count, the
-    kernel build, torch's version and its thread count."""
-    parts = [cpu_kernels.cpu_signature(), str(os.cpu_count()), cpu_kernels.build_dir().name, torch.__version__,
+    kernels' source and flags (not the checkout's path, which names the build folder), torch's
+    version and its thread count."""
+    kernels = hashlib.sha256(cpu_kernels.SOURCE.read_bytes() + " ".join(cpu_kernels.CFLAGS).encode()).hexdigest()
+    parts = [cpu_kernels.cpu_signature(), str(os.cpu_count()), kernels[:16], torch.__version__,
              f"threads={torch.get_num_threads()}"]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
