@@ -2,6 +2,8 @@
 drafting head, equal to the one computed at load, and its measured price, measured again where the
 machine signature or thread count differs."""
 
+import json
+
 import pytest
 import torch
 
@@ -65,14 +67,17 @@ def test_kept_cost_is_read_back_and_measured_again_on_another_machine_or_thread_
         return real_twin(self, prompt)
 
     monkeypatch.setattr(DraftModelDrafter, "_twin_for_timing", counting_twin)
-    d = DraftModelDrafter(draft, V, vocab=40, cache_folder=folder)
-    cost = d.measure_cost(target, context=8, repeats=1)
-    assert len(measured) == 1 and (folder / draft_cache.COSTS).is_file()
-    d2 = DraftModelDrafter(draft, V, vocab=40, cache_folder=folder)
-    assert d2.measure_cost(target, context=8, repeats=1) == cost and len(measured) == 1  # read back
+    monkeypatch.setattr(draft_cache, "SAMPLES", 2)
+    costs = [DraftModelDrafter(draft, V, vocab=40, cache_folder=folder).measure_cost(target, context=8, repeats=1)
+             for _ in range(2)]  # the first SAMPLES loads measure
+    assert len(measured) == 2 and (folder / draft_cache.COSTS).is_file()
+    kept = DraftModelDrafter(draft, V, vocab=40, cache_folder=folder).measure_cost(target, context=8, repeats=1)
+    samples = next(iter(json.loads((folder / draft_cache.COSTS).read_text()).values()))
+    assert len(samples) == 2 and samples[0] == costs[0]
+    assert len(measured) == 2 and kept == costs[-1] == pytest.approx(sum(samples) / 2)  # read back: their median
     # Another drafting head is another price.
     DraftModelDrafter(draft, V, vocab=20, cache_folder=folder).measure_cost(target, context=8, repeats=1)
-    assert len(measured) == 2
+    assert len(measured) == 3
     # Another thread count measures again.
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
@@ -80,15 +85,15 @@ def test_kept_cost_is_read_back_and_measured_again_on_another_machine_or_thread_
         DraftModelDrafter(draft, V, vocab=40, cache_folder=folder).measure_cost(target, context=8, repeats=1)
     finally:
         torch.set_num_threads(threads)
-    assert len(measured) == 3
+    assert len(measured) == 4
     # Another processor measures again.
     signature = cpu_kernels.cpu_signature
     monkeypatch.setattr(cpu_kernels, "cpu_signature", lambda: "another processor")
     DraftModelDrafter(draft, V, vocab=40, cache_folder=folder).measure_cost(target, context=8, repeats=1)
-    assert len(measured) == 4
+    assert len(measured) == 5
     monkeypatch.setattr(cpu_kernels, "cpu_signature", signature)
     DraftModelDrafter(draft, V, vocab=40, cache_folder=folder).measure_cost(target, context=8, repeats=1)
-    assert len(measured) == 4  # this machine's price is still kept
+    assert len(measured) == 5  # this machine's price is still kept
     # A draft not tied to an entry keeps and reads nothing.
     DraftModelDrafter(draft, V, vocab=40).measure_cost(target, context=8, repeats=1)
-    assert len(measured) == 5
+    assert len(measured) == 6

@@ -5,7 +5,7 @@ Both used to be made at every load of a pair, and together took a quarter of a w
 
 - The price (`DraftModelDrafter.measure_cost`: one draft token in one-token target steps) is kept
   per (machine, target entry, draft entry, threads, drafting head, cache dtype) in
-  `draft_costs.json`. It only prices drafts for the draft-length rule (`policy.py`), which chooses
+  `draft_costs.json`: the first `SAMPLES` loads measure it, later ones read their median. It only prices drafts for the draft-length rule (`policy.py`), which chooses
   how many tokens to propose and never which token is emitted: verification decides that, so a kept
   price cannot change an output, and the rule refines it online as the request runs. A price is
   machine-bound, so the key holds the processor's signature, core count, kernel build and torch's
@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import os
+import statistics
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from specdec.models import cpu_kernels
 from specdec.models.quant import Int4Linear
 
 COSTS = "draft_costs.json"
+SAMPLES = 3  # loads that measure a price before the median of their measurements is kept
 
 
 def entry_of(model) -> str | None:
@@ -73,23 +75,33 @@ def _costs(folder: Path) -> dict:
 
 
 def kept_cost(folder: Path | None, key: str | None) -> float | None:
-    """The price kept under `key` in entry `folder`, if any."""
+    """The price kept under `key` in entry `folder`: the median of its first `SAMPLES` measurements
+    once there are that many (one measurement on a busy machine can be far off), else None."""
     if folder is None or key is None:
         return None
-    cost = _costs(folder).get(key)
-    return float(cost) if isinstance(cost, (int, float)) and cost > 0 else None
+    samples = _samples(_costs(folder).get(key))
+    return statistics.median(samples) if len(samples) >= SAMPLES else None
 
 
-def keep_cost(folder: Path | None, key: str | None, cost: float) -> None:
-    """Keep `cost` under `key` (written whole and renamed into place: a reader never sees half)."""
+def _samples(value) -> list[float]:
+    if not isinstance(value, list):
+        return []
+    return [float(v) for v in value if isinstance(v, (int, float)) and v > 0]
+
+
+def keep_cost(folder: Path | None, key: str | None, cost: float) -> float:
+    """Add measurement `cost` under `key` (the file written whole and renamed into place: a reader
+    never sees half); returns the price to use now, the median of what is kept."""
     if folder is None or key is None:
-        return
+        return cost
     data = _costs(folder)
-    data[key] = cost
+    samples = (_samples(data.get(key)) + [cost])[:SAMPLES]
+    data[key] = samples
     tmp = folder / f"{COSTS}.tmp-{os.getpid()}"
     with contextlib.suppress(OSError):  # a read-only cache: measured again next time
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, folder / COSTS)
+    return statistics.median(samples)
 
 
 def sub_head(folder: Path | None, ids, make):

@@ -255,8 +255,8 @@ class DraftModelDrafter(DrafterBase):
             cache.truncate(context)
             times[1].append(twin.draft_step_seconds(ids))
         twin.end([])
-        self.draft_cost = statistics.median(times[1][1:]) / statistics.median(times[0][1:])
-        draft_cache.keep_cost(self.cache_folder, key, self.draft_cost)
+        self.draft_cost = draft_cache.keep_cost(self.cache_folder, key,
+                                                statistics.median(times[1][1:]) / statistics.median(times[0][1:]))
         return self.draft_cost
 
     def _twin_for_timing(self, prompt: list[int]) -> "DraftModelDrafter":
