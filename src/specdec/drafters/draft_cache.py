@@ -5,7 +5,7 @@ Both used to be made at every load of a pair, and together took a quarter of a w
 
 - The price (`DraftModelDrafter.measure_cost`: one draft token in one-token target steps) is kept
   per (machine, target entry, draft entry, threads, drafting head, cache dtype) in
-  `draft_costs.json`: the first `SAMPLES` loads measure it, later ones read their median. It only prices drafts for the draft-length rule (`policy.py`), which chooses
+  `draft_costs.json`: the first `SAMPLES` loads measure it, later ones read the lowest of their measurements. It only prices drafts for the draft-length rule (`policy.py`), which chooses
   how many tokens to propose and never which token is emitted: verification decides that, so a kept
   price cannot change an output, and the rule refines it online as the request runs. A price is
   machine-bound, so the key holds the processor's signature, core count, kernel build and torch's
@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import json
 import os
-import statistics
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ from specdec.models import cpu_kernels
 from specdec.models.quant import Int4Linear
 
 COSTS = "draft_costs.json"
-SAMPLES = 3  # loads that measure a price before the median of their measurements is kept
+SAMPLES = 3  # loads that measure a price before the lowest of their measurements is kept
 
 
 def entry_of(model) -> str | None:
@@ -75,12 +74,14 @@ def _costs(folder: Path) -> dict:
 
 
 def kept_cost(folder: Path | None, key: str | None) -> float | None:
-    """The price kept under `key` in entry `folder`: the median of its first `SAMPLES` measurements
-    once there are that many (one measurement on a busy machine can be far off), else None."""
+    """The price kept under `key` in entry `folder`: the lowest of its first `SAMPLES` measurements
+    once there are that many, else None. The lowest: other processes on the cores inflate a
+    measurement (on a shared machine, several-fold), and a price kept from a busy moment would
+    stay for every later load."""
     if folder is None or key is None:
         return None
     samples = _samples(_costs(folder).get(key))
-    return statistics.median(samples) if len(samples) >= SAMPLES else None
+    return min(samples) if len(samples) >= SAMPLES else None
 
 
 def _samples(value) -> list[float]:
@@ -91,7 +92,8 @@ def _samples(value) -> list[float]:
 
 def keep_cost(folder: Path | None, key: str | None, cost: float) -> float:
     """Add measurement `cost` under `key` (the file written whole and renamed into place: a reader
-    never sees half); returns the price to use now, the median of what is kept."""
+    never sees half); returns the price to use now: this measurement, or the kept price once there
+    are `SAMPLES` measurements."""
     if folder is None or key is None:
         return cost
     data = _costs(folder)
@@ -101,7 +103,7 @@ def keep_cost(folder: Path | None, key: str | None, cost: float) -> float:
     with contextlib.suppress(OSError):  # a read-only cache: measured again next time
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, folder / COSTS)
-    return statistics.median(samples)
+    return min(samples) if len(samples) >= SAMPLES else cost
 
 
 def sub_head(folder: Path | None, ids, make):
