@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -42,6 +43,24 @@ def _rust_only(folder: Path) -> bool:
     return (isinstance(config, dict)
             and all(key in _INERT_CONFIG_KEYS or (key in _INERT_WHEN_EMPTY and not value) for key, value in config.items())
             and config.get("tokenizer_class", "PreTrainedTokenizerFast") in _PLAIN_CLASSES)
+
+
+# The files that define a folder's encoding and decoding (everything a tokenizer folder holds but its
+# chat template, which only renders messages into text).
+_ENCODING_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt")
+
+
+def encoding_digest(folder: Path) -> str:
+    """A hash of the bytes of `folder`'s encoding files (`_ENCODING_FILES`, by name and content):
+    two folders with the same digest encode and decode every text and id alike."""
+    digest = hashlib.sha256()
+    for name in _ENCODING_FILES:
+        file = folder / name
+        if file.is_file():
+            digest.update(f"{name}\0{file.stat().st_size}\0".encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()
 
 
 def lacks_chat_template(folder: Path) -> bool:
@@ -88,16 +107,32 @@ class Tokenizer:
             raise ValueError("give exactly one of hf_tokenizer or rust_tokenizer")
         self._tok = hf_tokenizer
         self._rust = rust_tokenizer
+        self.folder: Path | None = None  # the folder it was read from (`from_folder`), if any
 
     @classmethod
     def from_folder(cls, folder: Path) -> "Tokenizer | None":
         if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer.model").exists()):
             return None  # a weights-only folder: prompts are token ids
         try:
-            return cls._read(folder)
+            tokenizer = cls._read(folder)
+            tokenizer.folder = folder
+            return tokenizer
         except Exception as exc:  # the tokenizers library raises plain Exceptions for a bad file
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelLoadError(f"{folder}: cannot read its tokenizer ({reason})") from exc
+
+    @classmethod
+    def for_encoding(cls, folder: Path, known: "Tokenizer | None") -> "Tokenizer | None":
+        """A tokenizer that encodes and decodes as `folder`'s does: `known` itself where the folder
+        it was read from (`known.folder`) has the same bytes in its encoding files
+        (`encoding_digest`), else `folder`'s own. For a draft model, which never renders a chat
+        (the target's template does), and whose tokenizer is most often the target's: reading a
+        tokenizer through transformers is a large part of a warm load."""
+        known_folder = getattr(known, "folder", None)
+        if (known_folder is not None and (folder / "tokenizer.json").is_file()
+                and encoding_digest(folder) == encoding_digest(known_folder)):
+            return known
+        return cls.from_folder(folder)
 
     @classmethod
     def _read(cls, folder: Path) -> "Tokenizer":

@@ -101,6 +101,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from specdec.drafters import draft_cache
 from specdec.drafters.base import (DrafterBase, DrafterNeeds, Proposal, check_k, common_prefix_length, draft_chain,
                                    draft_rows)
 from specdec.errors import InvalidRequestError
@@ -153,6 +154,7 @@ class DraftModelDrafter(DrafterBase):
         int4_head: bool | None = None,
         window: int | None = None,
         kv_dtype: str = "auto",
+        cache_folder: Path | None = None,
     ):
         check_same_vocabulary(target_vocab_size, model.config.vocab_size, target_tokenizer, tokenizer)
         self.model = model
@@ -168,8 +170,12 @@ class DraftModelDrafter(DrafterBase):
             self.vocab_ids = kept[kept < target_vocab_size]  # an id the target lacks is never drafted
         if int4_head is None:
             int4_head = quantize_of(model) == "int4"
+        # `cache_folder`: the kernel-layout entry `model` was loaded from, where its 4-bit drafting head
+        # and measured price are kept between loads (`draft_cache`); None keeps nothing.
+        self.cache_folder = cache_folder
         if vocab or int4_head:
-            self._sub_head = _rows_of(model.lm_head, self.vocab_ids, int4_head)
+            make = lambda: _rows_of(model.lm_head, self.vocab_ids, int4_head)  # noqa: E731
+            self._sub_head = draft_cache.sub_head(cache_folder, self.vocab_ids, make) if int4_head else make()
         self.kv_dtype = draft_kv_dtype(model, kv_dtype)  # the element type of every cache it makes
         self._sampling = SamplingParams()
         self._generator: torch.Generator | None = None
@@ -208,8 +214,10 @@ class DraftModelDrafter(DrafterBase):
         from specdec.tokenizer import Tokenizer
 
         model, folder = loader.load(source, dtype, device, progress, quantize=quantize)
-        return cls(model, target_vocab_size, draft_p_min, Tokenizer.from_folder(folder), target_tokenizer, vocab,
-                   kv_dtype=kv_dtype)
+        tokenizer = Tokenizer.for_encoding(folder, target_tokenizer)  # the target's where the files are the same
+        cache_folder = folder if draft_cache.entry_of(model) is not None else None
+        return cls(model, target_vocab_size, draft_p_min, tokenizer, target_tokenizer, vocab,
+                   kv_dtype=kv_dtype, cache_folder=cache_folder)
 
     def measure_cost(self, target: Transformer, context: int = 64, repeats: int = 5) -> float:
         """Time one draft token and one one-token step of `target` after a `context`-token prompt,
@@ -219,9 +227,19 @@ class DraftModelDrafter(DrafterBase):
         The draft token is what a chain pays per position (`draft_step_seconds`): the draft
         model's forward of one token with the head it drafts with (`_sub_head` where it has one),
         its confidence and its choice; not the model's own full head, which drafting never reads.
+
+        Where both models come from kernel-layout entries, the price measured on this machine with
+        these threads is kept in the draft's entry and read back at the next load (`draft_cache`:
+        it prices drafts only, so it never changes an output).
         """
         import statistics
         import time
+
+        key = draft_cache.cost_key(target, self, context, repeats)
+        kept = draft_cache.kept_cost(self.cache_folder, key)
+        if kept is not None:
+            self.draft_cost = kept
+            return kept
 
         ids = [(101 + 7 * i) % min(target.config.vocab_size, self.model.config.vocab_size) for i in range(context)]
         cache = target.new_cache(1, context + 2)
@@ -237,7 +255,8 @@ class DraftModelDrafter(DrafterBase):
             cache.truncate(context)
             times[1].append(twin.draft_step_seconds(ids))
         twin.end([])
-        self.draft_cost = statistics.median(times[1][1:]) / statistics.median(times[0][1:])
+        self.draft_cost = draft_cache.keep_cost(self.cache_folder, key,
+                                                statistics.median(times[1][1:]) / statistics.median(times[0][1:]))
         return self.draft_cost
 
     def _twin_for_timing(self, prompt: list[int]) -> "DraftModelDrafter":

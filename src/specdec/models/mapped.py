@@ -404,7 +404,11 @@ def load_entry(folder: Path, dtype: torch.dtype, device) -> Transformer:
     progress.close()
     with contextlib.suppress(OSError):
         (folder / USED).touch()
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    # Which entry, and which build of it, the model is: what a draft model keys what it keeps in its
+    # entry by (`drafters/draft_cache.py`).
+    model.cache_entry = f"{folder.name}@{manifest.get('created')}"
+    return model
 
 
 # --------------------------------------------------------------------------------------------
