@@ -26,6 +26,7 @@ from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
 from specdec import Engine
+from specdec.builder import pair_draft_vocab, resolve_drafter
 from specdec.server.app import ServerSettings, create_app
 
 CODE_PROMPT = ('def area_of_square(side):\n    """The area of a square."""\n    return side * side\n\n\n'
@@ -35,7 +36,9 @@ PORT = 8731
 
 def start_server(model: str, drafter: str) -> str:
     engine = Engine.load(model, drafter="none")
-    settings = ServerSettings(model=model, served_model_name=model, drafter=drafter, max_model_len=1024)
+    drafter, p_min = resolve_drafter(drafter, model)  # "auto": as `specdec serve` resolves it
+    settings = ServerSettings(model=model, served_model_name=model, drafter=drafter, draft_p_min=p_min,
+                              draft_vocab=pair_draft_vocab(model), max_model_len=1024)
     server = uvicorn.Server(uvicorn.Config(create_app(settings, load=lambda s: (engine.model, engine.tokenizer)),
                                            host="127.0.0.1", port=PORT, log_level="error"))
     threading.Thread(target=server.run, daemon=True).start()

@@ -132,15 +132,8 @@ log = logging.getLogger("specdec.scheduler")
 def serving_drafters(name: str = "none", target: Transformer | None = None, tokenizer: Tokenizer | None = None,
                      *, draft_p_min: float | None = None, progress=None,
                      draft_vocab: int | None = None, kv_dtype: str = "auto") -> tuple[dict[str, Drafter | None], str]:
-    """The drafters a server loads at start, by the names requests may choose them with, and the
-    name of the default one (`name`, as `--drafter` gives it).
-
-    Always: none, ngram, suffix (free). With a learned drafter (`eagle`, `eagle:DIR`, a draft
-    model's path, or a lookup+learned combination of them), loaded once: its own name (`eagle`,
-    `draft_model`) and its combinations `ngram+NAME` and `suffix+NAME`. Requests name drafters only
-    by these names, never by a path: every row gets a `spawn()` of one of them (own state, shared
-    weights).
-    """
+    """`builder.serving_drafters` (the drafters a server loads at start, by name, and the default
+    one's name) from the server's keyword options."""
     settings = DecodingSettings(draft_p_min=draft_p_min, draft_vocab=draft_vocab, kv_dtype=kv_dtype)
     return builder.serving_drafters(name, builder.Made(target, tokenizer, settings, progress))
 

@@ -104,13 +104,21 @@ async def completions(request: Request):
     if body.stream:
         return StreamingResponse(_completion_events(handle, access, base, tokenizer, body),
                                  media_type="text/event-stream")
-    done = await collect(handle, request)
-    if done is None:  # nobody reads this
+    result = await _collected(handle, request, access)
+    if result is None:  # nobody reads this
         return error_response(499, "client disconnected", "cancelled")
+    return R.completion(base, result, tokenizer, await usage_of(result.usage))
+
+
+async def _collected(handle: RequestHandle, request: Request, access):
+    """A non-streamed request's whole answer, or None when its client went away; a fault is raised
+    as its error response."""
+    done = await collect(handle, request)
+    if done is None:
+        return None
     note(access, done[-1])
     raise_fault(done[-1])
-    result = RequestHandle.collect(done)
-    return R.completion(base, result, tokenizer, await usage_of(result.usage))
+    return RequestHandle.collect(done)
 
 
 async def _completion_events(handle: RequestHandle, access, base: dict, tokenizer, body: CompletionRequest):
@@ -150,12 +158,9 @@ async def chat_completions(request: Request):
     if body.stream:
         return StreamingResponse(_chat_events(handle, access, base, tokenizer, turn, body),
                                  media_type="text/event-stream")
-    done = await collect(handle, request)
-    if done is None:  # nobody reads this
+    result = await _collected(handle, request, access)
+    if result is None:  # nobody reads this
         return error_response(499, "client disconnected", "cancelled")
-    note(access, done[-1])
-    raise_fault(done[-1])
-    result = RequestHandle.collect(done)
     message, finish = {"role": "assistant", "content": result.text}, result.finish_reason
     if turn is not None:
         message, finish = message_of(turn, result.token_ids, tokenizer, finish)
