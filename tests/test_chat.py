@@ -166,6 +166,14 @@ class Terminal:
     def type(self, text: str) -> None:
         os.write(self.fd, text.encode())
 
+    def interrupt(self) -> None:
+        """Ctrl-C, landing where the program is now: it is stopped first, so the SIGINT the terminal
+        sends waits for it and comes before its next token (typed into a running program under a
+        loaded machine, the tiny model's whole answer could be out before this side got to type)."""
+        os.kill(self.pid, signal.SIGSTOP)
+        self.type("\x03")
+        os.kill(self.pid, signal.SIGCONT)
+
     def ask(self, line: str) -> tuple[str, re.Match]:
         """Type a message; the answer's text as shown (the echoed line left out) and its stats line."""
         self.expect(r"> ")
@@ -238,7 +246,7 @@ def test_chat_in_a_terminal_ctrl_c_overflow_and_ctrl_d(tiny_folder):
         term.type("hi\n")
         term.expect(r"hi\r?\n")
         term.expect(r"[ -~]")  # the answer has begun
-        term.type("\x03")  # Ctrl-C: that answer stops, the program goes on
+        term.interrupt()  # Ctrl-C: that answer stops, the program goes on
         stats = term.expect(STATS)
         assert "interrupted" in stats.group(0) and int(stats.group(1)) < 480
         assert "^C" in term.seen[: stats.start()]

@@ -105,6 +105,9 @@ class FailingGrammar:
             raise self.error
         return torch.ones(len(paths), 97, dtype=torch.bool)
 
+    def forced(self):
+        return []  # it allows everything, so it forces nothing
+
     def advance(self, tokens):
         pass
 

@@ -183,8 +183,10 @@ def compiled_kernels(x: Tensor):
 # read as the float32 of the same value.
 KERNEL_CACHE_DTYPES = (torch.float32, torch.float16)
 
-# Blocks of up to this many new tokens (decode steps, verify passes) take the compiled row-by-row
-# attention; longer ones (prefills) PyTorch's SDPA, which blocks its queries and is faster there.
+# A model whose layers the compiled kernels run whole (`Block._kernel_parts`: the quantised CPU
+# models) takes them for every block. Otherwise, blocks of up to this many new tokens (decode steps,
+# verify passes) take the compiled row-by-row attention; longer ones (prefills) PyTorch's SDPA,
+# which blocks its queries and is faster there.
 ROW_ATTENTION_MAX_T = 32
 
 
@@ -415,11 +417,15 @@ class Block(Layer):
         """x [batch, T, hidden] -> [batch, T, hidden], or the last `keep` rows only: every row's key
         and value still go to the cache, but only those rows attend and pass through the MLP.
         `plan`: `visible`'s `query_blocks` where the caller made it (long blocks)."""
-        if keep is None and x.shape[1] <= ROW_ATTENTION_MAX_T:
-            kernels = compiled_kernels(x)
-            parts = None if kernels is None else self._kernel_parts(cache.keys[layer])
-            if parts is not None:  # decode and verify blocks: the whole block in one compiled call
-                return kernels.decoder_layer(x, *parts, cos, sin, cache.keys[layer], cache.values[layer], slots, visible)
+        kernels = compiled_kernels(x)
+        parts = None if kernels is None else self._kernel_parts(cache.keys[layer])
+        if parts is not None:
+            # Every block, a decode step, a verify pass or a prefill of any length, in one compiled
+            # call that works row by row: a row's bits never depend on the block it is in, so a prompt
+            # prefilled in chunks or after a cached prefix goes on exactly as one prefilled whole (the
+            # SDPA path below rounds differently by block shape). `keep`: all rows run, the last kept.
+            out = kernels.decoder_layer(x, *parts, cos, sin, cache.keys[layer], cache.values[layer], slots, visible)
+            return out if keep is None else out[:, out.shape[1] - keep :]
         attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, visible, keep, plan)
         if keep is not None:
             x = x[:, x.shape[1] - keep :]
