@@ -610,7 +610,10 @@ class Transformer(Layer):
         split = last_n is not None and 0 < last_n < t
         earlier = None  # with `split` and need_hidden: the last layer's output for the other rows
         plans = {}  # window -> the SDPA plan of a long block's mask, made once for all its layers
-        uses_sdpa = t > ROW_ATTENTION_MAX_T or compiled_kernels(x) is None  # (the row kernel needs no plan)
+        # A plan is SDPA's alone: a block the compiled kernel runs whole needs none (a layer that
+        # does not take it makes its own, `Attention.forward`), nor does a short block's row attention.
+        uses_sdpa = compiled_kernels(x) is None or (
+            t > ROW_ATTENTION_MAX_T and self.layers[0]._kernel_parts(cache.keys[0]) is None)
         for layer, block in enumerate(self.layers):
             cos, sin = rope[self._rope_of_layer[layer]]
             window = cfg.layer_window[layer]
