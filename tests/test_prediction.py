@@ -327,3 +327,21 @@ def test_edit_tasks_and_their_report_helpers():
     edited = "".join(lines[:3] + ["    pass\n"] * 8 + lines[3:])
     assert 0.05 < changed_fraction(edited, code) <= 0.25 and bin_of(0.2) == "15-25%"
     assert parse_configs("ngram:prediction")[0].options["prediction"] is True
+
+
+def test_the_bench_drafts_a_prompt_from_its_own_or_an_unrelated_prediction():
+    from specdec.bench.configs import parse_configs
+    from specdec.bench.prompts import DEFAULT_TEMPLATE, select_prompts
+    from specdec.bench.runner import predictions_for
+
+    prompts = select_prompts(["edits"], 0, None, template=DEFAULT_TEMPLATE, chat=True)[:3]
+    ids = [(i,) for i in range(3)]
+    own, other, none = (predictions_for(c, prompts, ids) for c in parse_configs(
+        "draft:model=x:prediction,draft:model=x:unrelated-prediction,draft:model=x"))
+    assert own == {ids[i]: prompts[i].prediction for i in range(3)} and none == {}
+    assert other == {ids[i]: prompts[(i + 1) % 3].prediction for i in range(3)}
+    assert all(other[i] != own[i] for i in ids)
+    for bad, needle in (("ngram:prediction:unrelated-prediction", "choose one"),
+                        ("ref@ngram:prediction", "worker process")):
+        with pytest.raises(InvalidRequestError, match=needle):
+            parse_configs(bad)

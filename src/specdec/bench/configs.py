@@ -21,6 +21,8 @@ An option is `key=value` or a bare flag (`adaptive`). Examples::
     eagle:k=8:lookup=ngram     prompt lookup first, the EAGLE head where lookup finds nothing
     ngram:prediction           a prompt's prediction first (`--tasks edits`: the code to change), then
                                prompt lookup (any ngram, suffix, draft or eagle configuration takes the flag)
+    ngram:unrelated-prediction  ... with another task's prediction instead (the next task's code: text
+                               that does not match the answer), to price a useless prediction
     plain:quantize=int8        the same target quantised (when Engine.load takes `quantize`)
     hf                         HF transformers generate, greedy, float32
     hf-lookup:k=10             HF prompt-lookup assisted generation (prompt_lookup_num_tokens)
@@ -57,15 +59,15 @@ DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 QUANTIZE_NAMES = ("none", "int8", "int4")
 KINDS: dict[str, tuple[str, dict[str, object]]] = {
     "plain": ("specdec", {"dtype": _DTYPE, "quantize": str}),
-    "ngram": ("specdec", {"prediction": "flag", "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str,
+    "ngram": ("specdec", {"prediction": "flag", "unrelated_prediction": "flag", "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str,
                           "max_ngram": int, "min_ngram": int,
                           "dtype": _DTYPE, "quantize": str}),
-    "suffix": ("specdec", {"prediction": "flag", "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "max_ngram": int, "min_ngram": int,
+    "suffix": ("specdec", {"prediction": "flag", "unrelated_prediction": "flag", "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "max_ngram": int, "min_ngram": int,
                            "dtype": _DTYPE, "quantize": str}),
-    "draft": ("specdec", {"prediction": "flag", "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "model": str, "p_min": float,
+    "draft": ("specdec", {"prediction": "flag", "unrelated_prediction": "flag", "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "model": str, "p_min": float,
                           "lookup": str, "draft_quantize": str, "vocab": int, "window": int, "dtype": _DTYPE,
                           "quantize": str}),
-    "eagle": ("specdec", {"prediction": "flag", "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str, "head": str, "p_min": float,
+    "eagle": ("specdec", {"prediction": "flag", "unrelated_prediction": "flag", "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str, "head": str, "p_min": float,
                           "lookup": str, "dtype": _DTYPE, "quantize": str}),
     "hf": ("hf", {"dtype": _DTYPE}),
     "hf-lookup": ("hf", {"k": int, "n": int, "dtype": _DTYPE}),
@@ -143,8 +145,9 @@ def parse_configs(text: str, draft_model: str | None = None) -> list[BenchConfig
 
 WORKER_PREFIXES = {"ref@": "ref", "this@": "this"}
 # Options a ref@ configuration cannot pass on: the worker reaches the other tree only through
-# `Engine.load`'s keywords, and the n-gram range and the draft's prompt window are not among them.
-REF_UNSUPPORTED = ("max_ngram", "min_ngram", "window")
+# `Engine.load`'s keywords and a plain generate call: the n-gram range, the draft's prompt window
+# and a prediction are not among them.
+REF_UNSUPPORTED = ("max_ngram", "min_ngram", "window", "prediction", "unrelated_prediction")
 
 
 def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
@@ -156,7 +159,7 @@ def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
                                       "draft, eagle)", "configs")
         if bad := [key for key in REF_UNSUPPORTED if key in inner.options]:
             raise InvalidRequestError(f"{item!r}: {bad[0]} cannot be passed to a worker process "
-                                      "(Engine.load takes no such option)", "configs")
+                                      "(it reaches the other tree only through Engine.load and generate)", "configs")
         return BenchConfig(item.strip(), inner.kind, inner.options, worker=WORKER_PREFIXES[prefix])
     kind, *parts = item.split(":")
     kind = kind.strip().lower()
@@ -181,6 +184,8 @@ def parse_config(item: str, draft_model: str | None = None) -> BenchConfig:
         if not eq or not value.strip():
             raise InvalidRequestError(f"{item!r}: option {key} needs a value ({key}=...)", "configs")
         options[key] = _convert(item, key, value.strip(), kind_of)
+    if options.get("prediction") and options.get("unrelated_prediction"):
+        raise InvalidRequestError(f"{item!r}: choose one of prediction and unrelated-prediction", "configs")
     if sum(bool(options.get(name)) for name in ("fixed", "adaptive", "cost")) > 1:
         raise InvalidRequestError(f"{item!r}: choose one of fixed, adaptive and cost", "configs")
     if "tree" in options:

@@ -186,7 +186,7 @@ class SpecdecRunner:
         sync(self.device)
         start = self.clock()
         sampling = SamplingParams(temperature=self.temperature, seed=self.seed) if self.temperature > 0 else SamplingParams()
-        prediction = self.predictions.get(ids) if self.config.options.get("prediction") else None
+        prediction = self.predictions.get(ids)
         gen = self.engine.generate(prompt_ids=list(ids), max_new_tokens=max_new, sampling=sampling,
                                    prediction=prediction)
         sync(self.device)
@@ -469,6 +469,17 @@ def _prompt_ids(settings: Settings, prompts: list[BenchPrompt], tokenizer, cfg) 
     return prompt_ids
 
 
+def predictions_for(config, prompts: list[BenchPrompt], prompt_ids: list[tuple[int, ...]]) -> dict:
+    """Prompt ids -> the prediction a configuration drafts from: each prompt's own (`:prediction`),
+    the next prompt's with one (`:unrelated-prediction`: text unrelated to the answer), or none."""
+    own = [(ids, p.prediction) for p, ids in zip(prompts, prompt_ids) if p.prediction is not None]
+    if config.options.get("prediction"):
+        return dict(own)
+    if config.options.get("unrelated_prediction") and len(own) > 1:
+        return {ids: own[(i + 1) % len(own)][1] for i, (ids, _) in enumerate(own)}
+    return {}
+
+
 def _interleaved_runs(settings: Settings, order: list, prompts: list[BenchPrompt],
                       prompt_ids: list[tuple[int, ...]], probe: MemoryProbe, progress, log,
                       total) -> tuple[list[Run], str | None]:
@@ -478,7 +489,7 @@ def _interleaved_runs(settings: Settings, order: list, prompts: list[BenchPrompt
     sampled = settings.temperature > 0
     for r in order:  # a `:prediction` configuration drafts from each prompt's prediction
         if isinstance(r, SpecdecRunner):
-            r.predictions = {ids: p.prediction for p, ids in zip(prompts, prompt_ids) if p.prediction is not None}
+            r.predictions = predictions_for(r.config, prompts, prompt_ids)
     for r in order:
         if not isinstance(r, RefRunner):  # the worker was told its clock when it started
             r.clock = CLOCKS[settings.clock]
