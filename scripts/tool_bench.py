@@ -13,6 +13,12 @@ simple_python from bfcl-eval's wheel) asked once with tool_choice "auto" at temp
 is exactly one call (as `tool_calls`) that the case's truth accepts. With the `speculative` field
 (specdec's extension) each case is asked again with speculation off and the calls compared.
 
+History: a scripted agent conversation replayed turn by turn as an agent framework re-sends it
+(`--history TURNS`): the model asked to read a file part by part, each turn adding one read_file
+call and its result (~450 tokens of Python's own textwrap.py), so turn 10 carries >= 4k tokens of
+history; per turn the prompt tokens, the tokens the prefix cache served and the time to the first
+streamed chunk. A run's first message names the run, so no run reuses another's cache.
+
 Agent loop: each scenario's conversation runs until the model answers without calls (or
 --max-turns), every call answered by a fake tool with a fixed result; per turn the time to the
 first streamed chunk, the completion tokens and the turn's time; the loop's total with speculation
@@ -22,9 +28,12 @@ on and, with the field, off. The server's prefix cache serves both alike.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
+import textwrap
 import time
+import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -60,6 +69,40 @@ def fake_result(name: str, args: dict) -> str:
     if name == "compute_tip":
         return json.dumps({"tip": 15.77})
     return json.dumps({"ok": True})
+
+
+PART_CHARS = 1800  # a read_file result: ~450 tokens of Python source for Qwen2.5's tokenizer
+READ_FILE = {"type": "function", "function": {
+    "name": "read_file", "description": "Read one part (about 60 lines) of a source file.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "part": {"type": "integer"}},
+                   "required": ["path", "part"]}}}
+
+
+def history_turns(client, model: str, turns: int, speculative: bool | None) -> list[dict]:
+    """The scripted conversation of the module doc, sent once per turn: [{turn, prompt_tokens,
+    cached_tokens, ttft_s}]."""
+    source = inspect.getsource(textwrap)
+    parts = [source[i:i + PART_CHARS] for i in range(0, len(source), PART_CHARS)]
+    messages = [{"role": "user", "content": f"(run {uuid.uuid4().hex[:8]}) Read textwrap.py part by part with "
+                                            "read_file, then tell me what its dedent function does."}]
+    out = []
+    for n in range(1, turns + 1):
+        started, first, usage = time.perf_counter(), None, None
+        stream = client.chat.completions.create(model=model, messages=messages, tools=[READ_FILE], temperature=0,
+                                                max_tokens=8, stream=True, stream_options={"include_usage": True},
+                                                **_extra(speculative))
+        for chunk in stream:
+            usage = chunk.usage or usage
+            if first is None and chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].delta.tool_calls):
+                first = time.perf_counter() - started
+        details = getattr(usage, "prompt_tokens_details", None)
+        out.append({"turn": n, "prompt_tokens": usage.prompt_tokens if usage else None,
+                    "cached_tokens": getattr(details, "cached_tokens", None), "ttft_s": first})
+        call_id = f"call_{n}"
+        messages.append({"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {
+            "name": "read_file", "arguments": json.dumps({"path": "textwrap.py", "part": n})}}]})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": parts[(n - 1) % len(parts)]})
+    return out
 
 
 def _extra(speculative: bool | None) -> dict:
@@ -153,6 +196,9 @@ def main(argv=None) -> dict:
                    help="a server without specdec's `speculative` field (llama-server): no on/off comparison")
     p.add_argument("--loops", type=int, default=1, help="repeats of each agent-loop scenario (0: none)")
     p.add_argument("--max-turns", type=int, default=6)
+    p.add_argument("--history", type=int, default=0, metavar="TURNS",
+                   help="replay the scripted read_file conversation over this many turns (0: none)")
+    p.add_argument("--history-repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -171,6 +217,15 @@ def main(argv=None) -> dict:
         print(f"{row_kind}: {row['right']}/{row['cases']} right ({row['accuracy']:.0%}), {row['as_tool_calls']} as "
               f"tool_calls, {len(row['errors'])} refused"
               + (f", {row['identical_off']} identical with speculation off" if compare else ""))
+    for _ in range(args.history and args.history_repeats):
+        turns = history_turns(client, model, args.history, True if compare else None)
+        result.setdefault("history", []).append(turns)
+        print("history: " + ", ".join(f"turn {t['turn']} {t['prompt_tokens']} tokens ({t['cached_tokens']} cached) "
+                                      f"ttft {t['ttft_s'] or 0:.2f} s" for t in turns))
+    if result.get("history") and args.history >= 2:
+        ratio = [h[-1]["ttft_s"] / h[1]["ttft_s"] for h in result["history"] if h[-1]["ttft_s"] and h[1]["ttft_s"]]
+        result["history_ttft_last_over_second"] = ratio
+        print(f"history: turn {args.history} / turn 2 time to first token: " + ", ".join(f"{r:.2f}x" for r in ratio))
     for _ in range(args.loops):
         for scenario in SCENARIOS:
             for speculative in ((True, False) if compare else (None,)):

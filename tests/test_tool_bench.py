@@ -84,13 +84,15 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def test_the_bench_runs_against_a_server(server, tmp_path):
+def test_the_bench_runs_against_a_server(server, tmp_path, monkeypatch):
     pytest.importorskip("openai")
     import tool_bench
 
+    monkeypatch.setattr(tool_bench, "PART_CHARS", 240)  # the tiny model's tokenizer: ~1 token a character
     out = tmp_path / "tools.json"
     result = tool_bench.main(["--base-url", server + "/v1", "--cases", "own", "--limit", "3", "--loops", "1",
-                              "--max-turns", "2", "--max-tokens", "24", "--out", str(out)])
+                              "--max-turns", "2", "--max-tokens", "24", "--history", "3", "--history-repeats", "1",
+                              "--out", str(out)])
     assert json.loads(out.read_text())["accuracy"] == result["accuracy"]
     row = result["accuracy"]["own"]
     assert row["cases"] == 3 and 0 <= row["right"] <= row["as_tool_calls"] <= 3
@@ -99,3 +101,8 @@ def test_the_bench_runs_against_a_server(server, tmp_path):
     for loop in result["loops"]:
         assert loop["total_s"] > 0 and 1 <= len(loop["turns"]) <= 2
         assert all(t["tokens"] is not None and t["turn_s"] > 0 for t in loop["turns"])
+    turns, = result["history"]  # each turn re-sends the last one's prompt: the prefix cache serves it
+    assert [t["turn"] for t in turns] == [1, 2, 3] and all(t["ttft_s"] > 0 for t in turns)
+    for before, now in zip(turns, turns[1:]):
+        assert now["prompt_tokens"] > before["prompt_tokens"] + 100
+        assert before["prompt_tokens"] - 4 <= now["cached_tokens"] < now["prompt_tokens"]
