@@ -4,45 +4,163 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+from .chat_render import render_chat
 from .errors import InvalidRequestError, ModelLoadError
 
 # tokenizer_config.json keys that change nothing about encoding or decoding once tokenizer.json is
 # read (names, lengths, padding, where the folder came from), and keys that change nothing while
-# empty or false. A folder whose config sets anything else (add_bos_token, legacy,
-# add_prefix_space, a chat template, special tokens of its own, ...) goes through transformers,
-# which is what acts on those keys.
+# empty or false. A folder whose config sets anything else (add_bos_token, legacy, a class of its
+# own, ...) goes through transformers, which is what acts on those keys. The named special tokens
+# are inert where tokenizer.json already holds each as a special added token (`_tokens_agree`),
+# and the chat template only renders messages into text (`chat_render`).
 _INERT_CONFIG_KEYS = frozenset({
-    "backend", "bos_token", "eos_token", "pad_token", "unk_token", "mask_token", "sep_token", "cls_token",
-    "is_local", "local_files_only", "model_max_length", "model_input_names", "padding_side", "truncation_side",
-    "tokenizer_class",
+    "backend", "is_local", "local_files_only", "model_max_length", "model_input_names", "padding_side",
+    "truncation_side", "tokenizer_class", "chat_template",
 })
 _INERT_WHEN_EMPTY = frozenset({
     "added_tokens_decoder", "additional_special_tokens", "extra_special_tokens", "clean_up_tokenization_spaces",
-    "split_special_tokens",
+    "split_special_tokens", "add_prefix_space",
 })
+# The named special tokens transformers gives a tokenizer (and a chat template as variables).
+_NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Tokenizer classes whose transformers tokenizer is the Rust one of tokenizer.json as saved (checked
 # for Gemma's by tests/test_models.py, text by text against transformers).
 _PLAIN_CLASSES = frozenset({"GemmaTokenizer", "GemmaTokenizerFast", "PreTrainedTokenizerFast", "TokenizersBackend"})
+# transformers 5's Qwen2Tokenizer rebuilds the Rust tokenizer from tokenizer.json's vocabulary and
+# merges with components of its own (`_qwen2_agrees`): the same as the file's where they agree, but
+# for an NFC normalizer, which a GGUF's converted tokenizer.json lacks. Its named tokens where the
+# config names none:
+_QWEN2_DEFAULT_TOKENS = {"unk_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
+# The tokenizer class transformers 5's AutoTokenizer gives a folder of these model types (config.json)
+# that names none; for qwen2 even where the folder names another (the class names saved beside
+# qwen2 weights are not trusted there). A model type not listed here: transformers.
+_TYPE_CLASSES = {"qwen2": "Qwen2Tokenizer", "qwen2_moe": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer",
+                 "qwen3_moe": "Qwen2Tokenizer", "gemma3": "GemmaTokenizer", "gemma3_text": "GemmaTokenizer",
+                 "llama": "LlamaTokenizer"}
+_QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+@dataclass
+class _Plain:
+    """What a folder read without transformers needs beside tokenizer.json (`_plain_reading`)."""
+
+    config: dict
+    tokenizer_class: str
+    templates: str | dict[str, str] | None  # one template, or named ones ("default", "tool_use", ...)
+    special_tokens: dict[str, str]  # bos_token, eos_token, ...: their text, where set
+
+
+def _auto_class(folder: Path, config: dict) -> str | None:
+    """The tokenizer class AutoTokenizer picks for the folder, where `_TYPE_CLASSES` knows; None
+    where it may pick otherwise."""
+    try:
+        model = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        model = {}
+    except (OSError, ValueError):
+        return None
+    if not isinstance(model, dict) or model.get("_name_or_path") or model.get("model_name"):
+        return None  # transformers also goes by a checkpoint's name
+    named = config.get("tokenizer_class") or model.get("tokenizer_class")
+    model_type = model.get("model_type")
+    if not model_type:
+        return named or "PreTrainedTokenizerFast"
+    if model_type == "qwen2":
+        return "Qwen2Tokenizer"
+    return named or _TYPE_CLASSES.get(model_type) if model_type in _TYPE_CLASSES else None
+
+
+def _plain_reading(folder: Path) -> _Plain | None:
+    """What tokenizer_config.json and the template files say, where nothing in them needs
+    transformers (tokenizer.json's own contents are checked once read: `_tokens_agree`); None where
+    transformers must read the folder."""
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    if any((folder / name).exists() for name in ("chat_template.json", "additional_chat_templates",
+                                                 "special_tokens_map.json", "added_tokens.json")):
+        return None
+    config_file = folder / "tokenizer_config.json"
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    tokenizer_class = _auto_class(folder, config)
+    qwen2 = tokenizer_class == "Qwen2Tokenizer"
+    if tokenizer_class not in _PLAIN_CLASSES and not qwen2:
+        return None
+    for key, value in config.items():
+        inert = (key in _INERT_CONFIG_KEYS or key in _NAMED_TOKENS or (key in _INERT_WHEN_EMPTY and not value)
+                 or key in ("added_tokens_decoder", "additional_special_tokens", "extra_special_tokens")
+                 or (qwen2 and (key == "add_prefix_space" or (key == "errors" and value == "replace"))))
+        if not inert:
+            return None
+    special = {**(_QWEN2_DEFAULT_TOKENS if qwen2 else {}), **{k: config[k] for k in _NAMED_TOKENS if k in config}}
+    if not all(value is None or isinstance(value, str) for value in special.values()):
+        return None  # an AddedToken written out with flags of its own
+    templates = config.get("chat_template")
+    if isinstance(templates, list):
+        try:
+            templates = {entry["name"]: entry["template"] for entry in templates}
+        except (TypeError, KeyError):
+            return None
+    if (folder / "chat_template.jinja").is_file():  # transformers: the file wins over the config's
+        templates = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    if not (templates is None or isinstance(templates, str)
+            or all(isinstance(t, str) for t in templates.values())):
+        return None
+    return _Plain(config, tokenizer_class, templates or None,
+                  {key: value for key, value in special.items() if value is not None})
+
+
+def _tokens_agree(rust, plain: _Plain) -> bool:
+    """Whether transformers would leave the Rust tokenizer's added tokens as tokenizer.json has them:
+    each named and extra special token is a special added token there, and the config's
+    added_tokens_decoder says of each token what tokenizer.json says."""
+    added = rust.get_added_tokens_decoder()
+    special = {token.content for token in added.values() if token.special}
+    extra = [*(plain.config.get("additional_special_tokens") or []), *(plain.config.get("extra_special_tokens") or [])]
+    if not all(isinstance(plain.config.get(key) or [], list) for key in ("additional_special_tokens",
+                                                                         "extra_special_tokens")):
+        return False  # extra tokens by name (a dict): attributes of their own
+    if not all(isinstance(t, str) and t in special for t in [*plain.special_tokens.values(), *extra]):
+        return False
+    flags = ("content", "special", "lstrip", "rstrip", "normalized", "single_word")
+    for key, entry in (plain.config.get("added_tokens_decoder") or {}).items():
+        token = added.get(int(key)) if str(key).isdigit() else None
+        if not isinstance(entry, dict) or token is None or any(
+                entry.get(flag, getattr(token, flag)) != getattr(token, flag) for flag in flags):
+            return False
+    return True
+
+
+def _qwen2_agrees(rust, plain: _Plain) -> bool:
+    """Whether tokenizer.json's BPE model, pre-tokenizer and decoder are the ones transformers'
+    Qwen2Tokenizer builds, and its normalizer none or NFC (the class's)."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+
+    prefix = bool(plain.config.get("add_prefix_space") or False)
+    split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False)
+    expected_pre = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=prefix, use_regex=False)])
+    model = rust.model
+    return (type(model).__name__ == "BPE" and model.dropout is None and model.unk_token is None
+            and model.continuing_subword_prefix == "" and model.end_of_word_suffix == ""
+            and not model.fuse_unk and not model.byte_fallback and not model.ignore_merges
+            and rust.pre_tokenizer is not None and rust.decoder is not None and rust.post_processor is not None
+            and rust.pre_tokenizer.__getstate__() == expected_pre.__getstate__()
+            and rust.decoder.__getstate__() == decoders.ByteLevel().__getstate__()
+            and (rust.normalizer is None or rust.normalizer.__getstate__() == normalizers.NFC().__getstate__()))
 
 
 def _rust_only(folder: Path) -> bool:
-    """Whether the folder's tokenizer.json alone defines its tokenizer (see `Tokenizer`)."""
-    if not (folder / "tokenizer.json").is_file():
-        return False
-    if (folder / "chat_template.jinja").exists() or (folder / "chat_template.json").exists():
-        return False
-    config_file = folder / "tokenizer_config.json"
-    if not config_file.is_file():
-        return True
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return (isinstance(config, dict)
-            and all(key in _INERT_CONFIG_KEYS or (key in _INERT_WHEN_EMPTY and not value) for key, value in config.items())
-            and config.get("tokenizer_class", "PreTrainedTokenizerFast") in _PLAIN_CLASSES)
+    """Whether the folder's tokenizer.json alone defines its encoding (see `Tokenizer`), as far as
+    its config and files tell without reading tokenizer.json."""
+    return _plain_reading(folder) is not None
 
 
 # The files that define a folder's encoding and decoding (everything a tokenizer folder holds but its
@@ -65,11 +183,12 @@ def encoding_digest(folder: Path) -> str:
 
 def lacks_chat_template(folder: Path) -> bool:
     """Whether the folder certainly has no chat template, known without reading its tokenizer: it
-    has no tokenizer files, or tokenizer.json alone defines its tokenizer (`_rust_only`), which
-    leaves no place for a template."""
+    has no tokenizer files, or its config and files are all `_plain_reading` knows and name no
+    template."""
     if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer.model").exists()):
         return True
-    return _rust_only(folder)
+    plain = _plain_reading(folder)
+    return plain is not None and plain.templates is None
 
 def check_text(text: str, what: str = "the prompt", param: str | None = "prompt") -> str:
     """`text` if it is valid Unicode text; an InvalidRequestError naming the first lone surrogate
@@ -94,27 +213,32 @@ def check_text(text: str, what: str = "the prompt", param: str | None = "prompt"
 class Tokenizer:
     """A model folder's tokenizer.
 
-    Two routes to the same ids. Where tokenizer.json says everything (no chat template, and
-    tokenizer_config.json sets nothing that transformers acts on: `_rust_only`), the Rust
-    `tokenizers` library reads it directly, as transformers itself would end up doing, in less time
-    and memory than through transformers, which also imports many modules of its own first (it
-    matters for a large vocabulary such as Gemma's 262k tokens). Any other folder
-    (chat templates, slow-only tokenizers, options) goes through transformers' AutoTokenizer.
+    Two routes to the same ids and chat text. Where tokenizer.json says everything about encoding
+    (tokenizer_config.json sets nothing that transformers acts on but the names of special tokens
+    tokenizer.json already holds, and a chat template: `_plain_reading`, `_tokens_agree`), the
+    Rust `tokenizers` library reads it directly, as transformers itself would end up doing, and
+    `chat_render` renders the template as transformers would: in a fraction of the time, memory
+    and imports that transformers takes (a large part of starting a chat model). Any other
+    folder (slow-only tokenizers, options, classes of their own) goes through transformers'
+    AutoTokenizer; so does every folder with `via_transformers=True`.
     """
 
-    def __init__(self, hf_tokenizer=None, rust_tokenizer=None):
+    def __init__(self, hf_tokenizer=None, rust_tokenizer=None, chat_templates: str | dict | None = None,
+                 special_tokens: dict[str, str] | None = None):
         if (hf_tokenizer is None) == (rust_tokenizer is None):
             raise ValueError("give exactly one of hf_tokenizer or rust_tokenizer")
         self._tok = hf_tokenizer
         self._rust = rust_tokenizer
+        self._templates = chat_templates  # the Rust route's (transformers keeps its own)
+        self._special_tokens = dict(special_tokens or {})  # named special tokens, for the template
         self.folder: Path | None = None  # the folder it was read from (`from_folder`), if any
 
     @classmethod
-    def from_folder(cls, folder: Path) -> "Tokenizer | None":
+    def from_folder(cls, folder: Path, via_transformers: bool = False) -> "Tokenizer | None":
         if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer.model").exists()):
             return None  # a weights-only folder: prompts are token ids
         try:
-            tokenizer = cls._read(folder)
+            tokenizer = cls._read(folder, via_transformers)
             tokenizer.folder = folder
             return tokenizer
         except Exception as exc:  # the tokenizers library raises plain Exceptions for a bad file
@@ -135,11 +259,18 @@ class Tokenizer:
         return cls.from_folder(folder)
 
     @classmethod
-    def _read(cls, folder: Path) -> "Tokenizer":
-        if _rust_only(folder):
+    def _read(cls, folder: Path, via_transformers: bool = False) -> "Tokenizer":
+        plain = None if via_transformers else _plain_reading(folder)
+        if plain is not None:
             from tokenizers import Tokenizer as RustTokenizer
+            from tokenizers import normalizers
 
-            return cls(rust_tokenizer=RustTokenizer.from_file(str(folder / "tokenizer.json")))
+            rust = RustTokenizer.from_file(str(folder / "tokenizer.json"))
+            qwen2 = plain.tokenizer_class == "Qwen2Tokenizer"
+            if _tokens_agree(rust, plain) and (not qwen2 or _qwen2_agrees(rust, plain)):
+                if qwen2:
+                    rust.normalizer = normalizers.NFC()
+                return cls(rust_tokenizer=rust, chat_templates=plain.templates, special_tokens=plain.special_tokens)
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -205,8 +336,11 @@ class Tokenizer:
         return list(ids), starts
 
     @property
-    def chat_template(self) -> str | None:
-        return None if self._tok is None else getattr(self._tok, "chat_template", None) or None
+    def chat_template(self) -> str | dict[str, str] | None:
+        """The chat template; named templates ("default", "tool_use", ...) as a dict where there are several."""
+        if self._tok is None:
+            return self._templates or None
+        return getattr(self._tok, "chat_template", None) or None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
@@ -230,8 +364,13 @@ class Tokenizer:
         from jinja2 import TemplateError
 
         try:
-            text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message, tools=tools or None)
+            if self._rust is not None:
+                text = render_chat(self._templates, messages, special_tokens=self._special_tokens, tools=tools or None,
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message)
+            else:
+                text = self._tok.apply_chat_template(messages, tokenize=False, continue_final_message=continue_final_message,
+                                                     add_generation_prompt=add_generation_prompt, tools=tools or None)
         except TemplateError as exc:  # the template's own raise_exception(...): roles out of order, ...
             raise InvalidRequestError(f"the chat template rejects these messages: {exc}", "messages") from None
         except ValueError as exc:  # continue_final_message when the template drops the final text
@@ -239,7 +378,7 @@ class Tokenizer:
                 raise
             raise InvalidRequestError(f"cannot continue the final message: {exc}", "continue_final_message") from None
         # The template writes any BOS itself: do not add special tokens a second time.
-        ids = list(self._tok(text, add_special_tokens=False).input_ids)
+        ids = self.encode_plain(text)
         if not ids:
             raise InvalidRequestError("the chat prompt is empty", param="messages")
         return ids
