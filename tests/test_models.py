@@ -250,9 +250,9 @@ def test_default_tokenizer_reads_tokenizer_json_directly_and_matches_transformer
 
 
 def test_tokenizer_route_follows_the_folder(tmp_path):
-    """tokenizer.json alone, or with a config of inert keys: the Rust tokenizer. A chat template
-    (in the config or beside it), a key transformers acts on, or a class of its own: transformers,
-    which gives the same ids for what both can read."""
+    """tokenizer.json alone, or with a config of inert keys or a chat template (in the config or
+    beside it): the Rust tokenizer. A key transformers acts on, or a class of its own:
+    transformers, which gives the same ids for what both can read."""
     import json
 
     from tokenizers import Tokenizer as RustTokenizer
@@ -281,13 +281,17 @@ def test_tokenizer_route_follows_the_folder(tmp_path):
     assert route({"extra_special_tokens": {}, "clean_up_tokenization_spaces": False})._rust is not None
     assert plain.decode([1, 3, 2, 4]) == "w3 w4"
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    for extra, files in (({"chat_template": template}, None), (None, {"chat_template.jinja": template}),
-                         ({"add_bos_token": True}, None), ({"tokenizer_class": "LlamaTokenizer"}, None),
+    for extra, files in (({"chat_template": template}, None), (None, {"chat_template.jinja": template})):
+        tok = route(extra, files)
+        assert tok._rust is not None and tok.chat_template == template
+        assert tok.encode_chat([{"role": "user", "content": "w5"}]) == [5]
+    for extra, files in (({"add_bos_token": True}, None), ({"tokenizer_class": "LlamaTokenizer"}, None),
                          ({"clean_up_tokenization_spaces": True}, None),
                          ({"additional_special_tokens": ["w7"]}, None)):
         tok = route(extra, files)
         assert tok._tok is not None and tok._rust is None, (extra, files)
-    assert route({"chat_template": template}).encode_chat([{"role": "user", "content": "w5"}]) == [5]
+    assert route({"add_bos_token": True, "chat_template": template}).encode_chat(
+        [{"role": "user", "content": "w5"}]) == [5]
     (tmp_path / "tokenizer_config.json").unlink()
     assert Tokenizer.from_folder(tmp_path)._rust is not None
 
