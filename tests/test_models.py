@@ -225,7 +225,7 @@ def test_default_model_matches_transformers(default_engine_fp32):
 
 def test_default_tokenizer_reads_tokenizer_json_directly_and_matches_transformers(default_engine_fp32):
     """The default model's tokenizer is the Rust tokenizer of its tokenizer.json, read without
-    transformers (`tokenizer._rust_only`), and encodes and decodes exactly as a freshly loaded
+    transformers (`tokenizer._plain_reading`), and encodes and decodes exactly as a freshly loaded
     transformers tokenizer of the same folder: special tokens written in the text, byte fallback,
     whitespace runs, several scripts, and ids across the whole vocabulary."""
     import random

@@ -157,12 +157,6 @@ def _qwen2_agrees(rust, plain: _Plain) -> bool:
             and (rust.normalizer is None or rust.normalizer.__getstate__() == normalizers.NFC().__getstate__()))
 
 
-def _rust_only(folder: Path) -> bool:
-    """Whether the folder's tokenizer.json alone defines its encoding (see `Tokenizer`), as far as
-    its config and files tell without reading tokenizer.json."""
-    return _plain_reading(folder) is not None
-
-
 # The files that define a folder's encoding and decoding (everything a tokenizer folder holds but its
 # chat template, which only renders messages into text).
 _ENCODING_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
