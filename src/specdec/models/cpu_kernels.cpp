@@ -1183,7 +1183,7 @@ inline void int4_tile(const uint8_t* p, int64_t groups, const int8_t* v, const f
 
 #if !defined(SPECDEC_VNNI) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SPECDEC_INT4_AVX2 1
-constexpr int64_t kInt4PassRows = 4;  // rows a pass: 4 int16 sums + 4 totals, 2 weight operands, 3 constants
+constexpr int64_t kInt4PassRows = 5;  // rows a pass: 5 int16 sums + 5 totals, 2 weight operands, 3 constants
 constexpr int64_t kPrefetchRows = 3;  // as in the VNNI build: prefetch the next block from 3 rows a call
 // A chunk of rows (`int4_product_avx2`) holds at most this many bytes of inputs on the grid: it stays
 // in the core's L2 (512 KiB on Zen 2 and 3) while every block of weights goes past it.
@@ -1200,7 +1200,7 @@ constexpr int64_t kInt4SpanGroups = 48;
 // integers, then the same float sequence. The totals A and B of row m, half h carry over from one
 // span of groups to the next at acc + 32 m + 16 h (A, then B: 8 floats each), so a product cut into
 // spans adds each output's terms in group order as one loop would. B runs in a loop of its own after
-// A's: the same fma chain per output, and A's loop has the registers for 4 rows.
+// A's: the same fma chain per output, and A's loop has the registers for 5 rows.
 template <int MT>
 inline void int4_tile(const uint8_t* p, int64_t g0, int64_t g1, const int8_t* v, const float* xsum, float* acc,
                       int halves, const uint8_t* ahead) {
@@ -1292,7 +1292,7 @@ inline void int4_block_avx2(const uint8_t* p, const uint8_t* ahead, int64_t grou
       float* am = acc.data() + 32 * (pass->m0 - first);
       switch (pass->size) {
 #define SPECDEC_CASE(S) case S: int4_tile<S>(p, g0, g1, vm, xm, am, halves, ask); break;
-        SPECDEC_CASE(4) SPECDEC_CASE(3) SPECDEC_CASE(2)
+        SPECDEC_CASE(5) SPECDEC_CASE(4) SPECDEC_CASE(3) SPECDEC_CASE(2)
         default: int4_tile<1>(p, g0, g1, vm, xm, am, halves, ask); break;
 #undef SPECDEC_CASE
       }
@@ -1300,12 +1300,17 @@ inline void int4_block_avx2(const uint8_t* p, const uint8_t* ahead, int64_t grou
   }
   for (int64_t m = 0; m < n; ++m) {
     const float* am = acc.data() + 32 * m;
-    const float s = rows.s[first + m];
+    const __m256 s = _mm256_set1_ps(rows.s[first + m]);
     float* row = out + (first + m) * ldo;
-    for (int64_t l = 0; l < valid; ++l) {
-      const float* lane = am + 16 * (l / 8) + l % 8;
-      const float o = (lane[0] + lane[8]) * s;
-      row[l] = bias != nullptr ? o + bias[l] : o;
+    for (int h = 0; h < halves; ++h) {
+      const __m256 o = _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(am + 16 * h), _mm256_loadu_ps(am + 16 * h + 8)), s);
+      if (valid >= 8 * h + 8) {  // a whole half: 8 outputs in one store (bias: one add, as the scalar one)
+        _mm256_storeu_ps(row + 8 * h, bias != nullptr ? _mm256_add_ps(o, _mm256_loadu_ps(bias + 8 * h)) : o);
+        continue;
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, o);
+      for (int64_t l = 8 * h; l < valid; ++l) row[l] = bias != nullptr ? lanes[l - 8 * h] + bias[l] : lanes[l - 8 * h];
     }
   }
 }
