@@ -1183,7 +1183,7 @@ inline void int4_tile(const uint8_t* p, int64_t groups, const int8_t* v, const f
 
 #if !defined(SPECDEC_VNNI) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SPECDEC_INT4_AVX2 1
-constexpr int64_t kInt4PassRows = 5;  // rows a pass: 5 int16 sums + 5 totals, 2 weight operands, 3 constants
+constexpr int64_t kInt4PassRows = 6;  // rows a pass: 6 int16 sums + 6 totals, 1 weight operand, 2 constants
 constexpr int64_t kPrefetchRows = 3;  // as in the VNNI build: prefetch the next block from 3 rows a call
 // A chunk of rows (`int4_product_avx2`) holds at most this many bytes of inputs on the grid: it stays
 // in the core's L2 (512 KiB on Zen 2 and 3) while every block of weights goes past it.
@@ -1200,7 +1200,8 @@ constexpr int64_t kInt4SpanGroups = 48;
 // integers, then the same float sequence. The totals A and B of row m, half h carry over from one
 // span of groups to the next at acc + 32 m + 16 h (A, then B: 8 floats each), so a product cut into
 // spans adds each output's terms in group order as one loop would. B runs in a loop of its own after
-// A's: the same fma chain per output, and A's loop has the registers for 5 rows.
+// A's: the same fma chain per output, and A's loop has the registers for 6 rows (low nibbles for all
+// rows, then high ones: one weight operand at a time).
 template <int MT>
 inline void int4_tile(const uint8_t* p, int64_t g0, int64_t g1, const int8_t* v, const float* xsum, float* acc,
                       int halves, const uint8_t* ahead) {
@@ -1221,12 +1222,15 @@ inline void int4_tile(const uint8_t* p, int64_t g0, int64_t g1, const int8_t* v,
       for (int u = 0; u < 4; ++u) {
         const __m256i chunk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 64 * u + 32 * h));
         const __m256i low = _mm256_and_si256(chunk, nibble);
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), nibble);
         for (int m = 0; m < MT; ++m) {
           sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(low, _mm256_set1_epi32(x[8 * m + 2 * u])));
-          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(high, _mm256_set1_epi32(x[8 * m + 2 * u + 1])));
           // Keep the sum in its register here: else GCC reorders the (associative) integer adds to
-          // compute all 32 products first and spills most of them, and the loop ran ~2x slower.
+          // compute all of a group's products first and spills most of them (the loop ran ~1.5x slower).
+          asm("" : "+x"(sums[m]));
+        }
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), nibble);
+        for (int m = 0; m < MT; ++m) {
+          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(high, _mm256_set1_epi32(x[8 * m + 2 * u + 1])));
           asm("" : "+x"(sums[m]));
         }
       }
@@ -1292,7 +1296,7 @@ inline void int4_block_avx2(const uint8_t* p, const uint8_t* ahead, int64_t grou
       float* am = acc.data() + 32 * (pass->m0 - first);
       switch (pass->size) {
 #define SPECDEC_CASE(S) case S: int4_tile<S>(p, g0, g1, vm, xm, am, halves, ask); break;
-        SPECDEC_CASE(5) SPECDEC_CASE(4) SPECDEC_CASE(3) SPECDEC_CASE(2)
+        SPECDEC_CASE(6) SPECDEC_CASE(5) SPECDEC_CASE(4) SPECDEC_CASE(3) SPECDEC_CASE(2)
         default: int4_tile<1>(p, g0, g1, vm, xm, am, halves, ask); break;
 #undef SPECDEC_CASE
       }
@@ -1319,7 +1323,7 @@ inline void int4_block_avx2(const uint8_t* p, const uint8_t* ahead, int64_t grou
 // inputs then stay in the L2) it runs every block of its range. Why not all rows a block: with 64
 // rows and more of 8960 inputs the rows' grid no longer fit the L2 and came from memory again for
 // every block.
-inline void int4_product_avx2(const uint8_t* qs, int64_t blocks, int64_t groups, int64_t kp, int64_t n, int64_t n_out,
+inline void int4_product_avx2(const uint8_t* qs, int64_t blocks, int64_t groups, int64_t kp, int64_t n_out,
                               const float* bs, float* os, const Int4Rows& rows, const std::vector<Int4Pass>& passes,
                               const std::vector<int64_t>& chunks) {
   const int64_t block_bytes = groups * kInt4GroupBytes;
@@ -1364,7 +1368,7 @@ at::Tensor int4_product(at::Tensor x, const at::Tensor& q, const c10::optional<a
     std::vector<int64_t> chunks;
     passes = int4_avx2_passes(n, kp, chunks);
     int4_input(x, kp, rows, passes);
-    int4_product_avx2(qs, q.size(0) / 16, groups, kp, n, n_out, bs, os, rows, passes, chunks);
+    int4_product_avx2(qs, q.size(0) / 16, groups, kp, n_out, bs, os, rows, passes, chunks);
     return out;
   }
 #elif defined(SPECDEC_VNNI)
