@@ -1319,10 +1319,9 @@ inline void int4_block_avx2(const uint8_t* p, const uint8_t* ahead, int64_t grou
   }
 }
 
-// The AVX2 product: each thread takes a range of 16-row blocks; for each chunk of rows in turn (its
-// inputs then stay in the L2) it runs every block of its range. Why not all rows a block: with 64
-// rows and more of 8960 inputs the rows' grid no longer fit the L2 and came from memory again for
-// every block.
+// The AVX2 product: each thread takes a range of 16-row blocks; for each chunk of rows in turn it
+// runs every block of its range, so the chunk's grid is read from the L2 by every block. Why: with
+// all rows a block, a prefill's grid (512 rows of 8960 inputs: 4.5 MB) came from the L3 for each one.
 inline void int4_product_avx2(const uint8_t* qs, int64_t blocks, int64_t groups, int64_t kp, int64_t n_out,
                               const float* bs, float* os, const Int4Rows& rows, const std::vector<Int4Pass>& passes,
                               const std::vector<int64_t>& chunks) {
