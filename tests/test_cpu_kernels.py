@@ -109,6 +109,24 @@ def test_int4_linear_vector_path_equals_scalar_path_and_the_formula(kernels, out
     assert torch.equal(out[2], lin.bias if bias else torch.zeros(out_features))
 
 
+
+def test_int4_linear_long_blocks_across_row_chunks_and_group_spans_equal_the_reference(kernels):
+    # The AVX2 product cuts a long block into chunks of rows (8960 inputs: 20 rows a chunk) and each
+    # block of weights into spans of 48 groups, carrying every output's float totals from span to
+    # span: the bits must still be the scalar reference's, whatever the rows beside a row. 24 outputs:
+    # the last block of 16 has exactly one half of 8 (bias added on a whole half).
+    from specdec.models.quant import Int4Linear
+
+    g = torch.Generator().manual_seed(11)
+    lin = Int4Linear(torch.randn(24, 8960, generator=g) * 0.05, torch.randn(24, generator=g))
+    x = torch.randn(45, 8960, generator=g)
+    x[21] *= 1e3
+    ones = torch.cat([kernels.int4_linear(x[i : i + 1], lin._q, lin.bias, 24) for i in range(len(x))])
+    assert torch.equal(ones, kernels.int4_reference(x, lin._q, lin.bias, 24))
+    for n in (2, 5, 20, 21, 40, 41, 45):  # within a chunk, at and past its end, two and three chunks
+        assert torch.equal(kernels.int4_linear(x[:n], lin._q, lin.bias, 24), ones[:n]), n
+    assert torch.equal(kernels.int4_linear(x[3:30], lin._q, lin.bias, 24), ones[3:30])
+
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * 4096

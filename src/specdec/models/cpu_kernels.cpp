@@ -1040,11 +1040,11 @@ inline float int4_input_row(const float* row, int64_t k, int64_t kp, int8_t* v, 
 }
 
 // The rows of x on the int8 grid (64-byte aligned, read as int32 words of 4), their group sums (as
-// float) and scales. Row-major for the scalar path (`pass_rows` 0: row r's inputs at v + r * kp, its
-// sums at sums + r * groups); for the vector kernel, in its passes of rows (sizes as `int4_passes`
-// splits them): the pass of rows m0 .. m0 + size lies at v + m0 * kp as [groups][size][32] and its
-// sums at sums + m0 * groups as [groups][size]. Why: a pass then reads its inputs as one stream
-// beside the weights' stream, not one stream a row; with rows of many inputs (an MLP's down
+// float) and scales. Row-major for the scalar path (no passes: row r's inputs at v + r * kp, its
+// sums at sums + r * groups); for the vector kernel, in its passes of rows (`Int4Pass`, as
+// `int4_split` cuts them): the pass of rows m0 .. m0 + size lies at v + m0 * kp as [groups][size][32]
+// and its sums at sums + m0 * groups as [groups][size]. Why: a pass then reads its inputs as one
+// stream beside the weights' stream, not one stream a row; with rows of many inputs (an MLP's down
 // projection), read again for every block of weights, the streams a row kept the weights from
 // arriving in time.
 struct Int4Rows {
@@ -1054,33 +1054,41 @@ struct Int4Rows {
   std::vector<float> s;
 };
 
-// How many passes n rows take at most `most` rows a pass; pass j of P then takes
-// (n - m0 + P - j - 1) / (P - j) rows, m0 the rows before it: near-equal sizes (9 -> 5 + 4).
-inline int64_t int4_passes(int64_t n, int64_t most) { return (n + most - 1) / most; }
+struct Int4Pass {
+  int64_t m0, size;
+};
 
-inline void int4_input(const at::Tensor& x, int64_t kp, Int4Rows& rows, int64_t pass_rows) {
+// Rows m0 .. m0 + n cut into near-equal parts of at most `most` rows, appended to `parts`: part j of
+// P = ceil(n / most) takes (n - done + P - j - 1) / (P - j) rows (9 at most 6 -> 5 + 4).
+inline void int4_split(int64_t m0, int64_t n, int64_t most, std::vector<Int4Pass>& parts) {
+  const int64_t count = (n + most - 1) / most;
+  for (int64_t j = 0, done = 0; j < count; ++j) {
+    const int64_t size = (n - done + (count - j) - 1) / (count - j);
+    parts.push_back({m0 + done, size});
+    done += size;
+  }
+}
+
+inline void int4_input(const at::Tensor& x, int64_t kp, Int4Rows& rows, const std::vector<Int4Pass>& passes) {
   const int64_t k = x.size(-1), n = x.numel() / k, groups = kp / kInt4Group;
   rows.storage.resize(n * kp + 64);
   rows.v = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(rows.storage.data()) + 63) & ~uintptr_t{63});
   rows.sums.resize(n * groups);
   rows.s.resize(n);
   const float* xs = x.data_ptr<float>();
-  if (pass_rows <= 0) {
+  if (passes.empty()) {
     at::parallel_for(0, n, kParallelRows, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
         rows.s[r] = int4_input_row(xs + r * k, k, kp, rows.v + r * kp, rows.sums.data() + r * groups);
     });
     return;
   }
-  const int64_t passes = int4_passes(n, pass_rows);
-  at::parallel_for(0, passes, 1, [&](int64_t j0, int64_t j1) {
+  at::parallel_for(0, static_cast<int64_t>(passes.size()), 1, [&](int64_t j0, int64_t j1) {
     std::vector<int8_t> row(kp + 64);
     int8_t* v = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(row.data()) + 63) & ~uintptr_t{63});
     std::vector<float> sums(groups);
-    int64_t m0 = 0;
-    for (int64_t j = 0; j < j0; ++j) m0 += (n - m0 + (passes - j) - 1) / (passes - j);
     for (int64_t j = j0; j < j1; ++j) {
-      const int64_t size = (n - m0 + (passes - j) - 1) / (passes - j);
+      const int64_t m0 = passes[j].m0, size = passes[j].size;
       int8_t* pv = rows.v + m0 * kp;
       float* ps = rows.sums.data() + m0 * groups;
       for (int64_t i = 0; i < size; ++i) {
@@ -1090,7 +1098,6 @@ inline void int4_input(const at::Tensor& x, int64_t kp, Int4Rows& rows, int64_t 
           ps[g * size + i] = sums[g];
         }
       }
-      m0 += size;
     }
   });
 }
@@ -1176,54 +1183,161 @@ inline void int4_tile(const uint8_t* p, int64_t groups, const int8_t* v, const f
 
 #if !defined(SPECDEC_VNNI) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SPECDEC_INT4_AVX2 1
-constexpr int64_t kInt4PassRows = 3;  // rows a pass: 3 int16 sums, 3 + 3 totals, 2 weight operands, 2 scales
+constexpr int64_t kInt4PassRows = 6;  // rows a pass: 6 int16 sums + 6 totals, 1 weight operand, 2 constants
 constexpr int64_t kPrefetchRows = 3;  // as in the VNNI build: prefetch the next block from 3 rows a call
+// A chunk of rows (`int4_product_avx2`) holds at most this many bytes of inputs on the grid: it stays
+// in the core's L2 (512 KiB on Zen 2 and 3) while every block of weights goes past it.
+constexpr int64_t kInt4ChunkBytes = int64_t{192} << 10;
+// A span of groups: a block's weights over this many groups (48 x 320 bytes, 15 KiB) stay in the L1
+// for all passes of a chunk (the whole block of an MLP's down projection, 8960 inputs, is 90 KiB).
+constexpr int64_t kInt4SpanGroups = 48;
 
 // The same tile on AVX2 without VNNI (Zen 2 and 3, Intel before Ice Lake): 8 outputs a 256-bit
-// register, one half of the 16-row block after the other (a half is 32 bytes of each 64-byte chunk).
-// vpmaddubsw multiplies a weight in [0, 15] by an input in [-127, 127] and adds neighbours into int16
-// (|.| <= 3810); a group's 8 such products per output add up within int16 (<= 30480), so one vpmaddwd
-// by ones gives S_g exactly, as vpdpbusd does: the same integers, then the same float sequence.
+// register, one half of the 16-row block after the other (a half is 32 bytes of each 64-byte chunk),
+// over groups g0 .. g1 of the block at p. vpmaddubsw multiplies a weight in [0, 15] by an input in
+// [-127, 127] and adds neighbours into int16 (|.| <= 3810); a group's 8 such products per output add
+// up within int16 (<= 30480), so one vpmaddwd by ones gives S_g exactly, as vpdpbusd does: the same
+// integers, then the same float sequence. The totals A and B of row m, half h carry over from one
+// span of groups to the next at acc + 32 m + 16 h (A, then B: 8 floats each), so a product cut into
+// spans adds each output's terms in group order as one loop would. B runs in a loop of its own after
+// A's: the same fma chain per output, and A's loop has the registers for 6 rows (low nibbles for all
+// rows, then high ones: one weight operand at a time).
 template <int MT>
-inline void int4_tile(const uint8_t* p, int64_t groups, const int8_t* v, const float* xsum,
-                      const float* s, const float* bias, float* out, int64_t ldo, int64_t valid, const uint8_t* ahead) {
+inline void int4_tile(const uint8_t* p, int64_t g0, int64_t g1, const int8_t* v, const float* xsum, float* acc,
+                      int halves, const uint8_t* ahead) {
+  constexpr bool kJoint = MT <= 2;  // B's fma in A's loop: registers enough, and 1-2 chains a half are slow alone
   const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  for (int h = 0; h < 2 && 8 * h < valid; ++h) {
-    __m256 a_total[MT], b_total[MT];
-    for (int m = 0; m < MT; ++m) a_total[m] = b_total[m] = _mm256_setzero_ps();
-    const uint8_t* gp = p + 32 * h;
-    for (int64_t g = 0; g < groups; ++g, gp += kInt4GroupBytes) {
+  for (int h = 0; h < halves; ++h) {
+    __m256 total[MT], b_total[kJoint ? MT : 1];
+    for (int m = 0; m < MT; ++m) total[m] = _mm256_loadu_ps(acc + 32 * m + 16 * h);
+    if (kJoint)
+      for (int m = 0; m < MT; ++m) b_total[m] = _mm256_loadu_ps(acc + 32 * m + 16 * h + 8);
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* gp = p + g * kInt4GroupBytes;
       if (h == 0 && ahead != nullptr)  // the same group of the next block: its 5 cache lines
         for (int j = 0; j < 5; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + g * kInt4GroupBytes + 64 * j), _MM_HINT_T1);
+      const int32_t* x = reinterpret_cast<const int32_t*>(v + g * MT * kInt4Group);  // row m: x + 8 m
       __m256i sums[MT];
       for (int m = 0; m < MT; ++m) sums[m] = _mm256_setzero_si256();
       for (int u = 0; u < 4; ++u) {
-        const __m256i chunk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 64 * u));
+        const __m256i chunk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 64 * u + 32 * h));
         const __m256i low = _mm256_and_si256(chunk, nibble);
+        for (int m = 0; m < MT; ++m) {
+          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(low, _mm256_set1_epi32(x[8 * m + 2 * u])));
+          // Keep the sum in its register here: else GCC reorders the (associative) integer adds to
+          // compute all of a group's products first and spills most of them (the loop ran ~1.5x slower).
+          asm("" : "+x"(sums[m]));
+        }
         const __m256i high = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), nibble);
         for (int m = 0; m < MT; ++m) {
-          const int32_t* x = reinterpret_cast<const int32_t*>(v + (g * MT + m) * kInt4Group);
-          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(low, _mm256_set1_epi32(x[2 * u])));
-          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(high, _mm256_set1_epi32(x[2 * u + 1])));
+          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(high, _mm256_set1_epi32(x[8 * m + 2 * u + 1])));
+          asm("" : "+x"(sums[m]));
         }
       }
-      const uint8_t* scales = gp - 32 * h + 256 + 16 * h;  // this half's 8 steps a, then 32 bytes on its offsets b
-      const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
-      const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 32)));
-      for (int m = 0; m < MT; ++m) {
-        const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m], ones));
-        a_total[m] = _mm256_fmadd_ps(a, sum, a_total[m]);
-        b_total[m] = _mm256_fmadd_ps(b, _mm256_set1_ps(xsum[g * MT + m]), b_total[m]);
+      const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gp + 256 + 16 * h)));
+      for (int m = 0; m < MT; ++m)
+        total[m] = _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m], ones)), total[m]);
+      if (kJoint) {
+        const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gp + 288 + 16 * h)));
+        for (int m = 0; m < MT; ++m) b_total[m] = _mm256_fmadd_ps(b, _mm256_set1_ps(xsum[g * MT + m]), b_total[m]);
       }
     }
-    const int64_t lanes = std::min<int64_t>(8, valid - 8 * h);
+    for (int m = 0; m < MT; ++m) _mm256_storeu_ps(acc + 32 * m + 16 * h, total[m]);
+    if (kJoint)
+      for (int m = 0; m < MT; ++m) _mm256_storeu_ps(acc + 32 * m + 16 * h + 8, b_total[m]);
+  }
+  if (kJoint) return;
+  // B of both halves at once: 2 MT independent chains keep the two FMA pipes busy.
+  __m256 b_total[2 * MT];
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < 2; ++h) b_total[2 * m + h] = _mm256_loadu_ps(acc + 32 * m + 16 * h + 8);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* gp = p + g * kInt4GroupBytes + 288;
+    const __m256 b0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gp)));
+    const __m256 b1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gp + 16)));
     for (int m = 0; m < MT; ++m) {
-      alignas(32) float o[8];
-      _mm256_store_ps(o, _mm256_mul_ps(_mm256_add_ps(a_total[m], b_total[m]), _mm256_set1_ps(s[m])));
-      float* row = out + m * ldo + 8 * h;
-      for (int64_t l = 0; l < lanes; ++l) row[l] = bias != nullptr ? o[l] + bias[8 * h + l] : o[l];
+      const __m256 xs = _mm256_set1_ps(xsum[g * MT + m]);
+      b_total[2 * m] = _mm256_fmadd_ps(b0, xs, b_total[2 * m]);
+      b_total[2 * m + 1] = _mm256_fmadd_ps(b1, xs, b_total[2 * m + 1]);
     }
   }
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + 32 * m + 16 * h + 8, b_total[2 * m + h]);
+}
+
+// The passes of n rows: chunks of at most kInt4ChunkBytes of inputs (at least one pass), each cut
+// into passes of at most kInt4PassRows rows; `chunks` gets each chunk's first pass, then the end.
+inline std::vector<Int4Pass> int4_avx2_passes(int64_t n, int64_t kp, std::vector<int64_t>& chunks) {
+  const int64_t chunk_rows = std::max<int64_t>(kInt4PassRows, kInt4ChunkBytes / kp / kInt4PassRows * kInt4PassRows);
+  std::vector<Int4Pass> rows_of_chunks, passes;
+  int4_split(0, n, chunk_rows, rows_of_chunks);
+  for (const Int4Pass& c : rows_of_chunks) {
+    chunks.push_back(static_cast<int64_t>(passes.size()));
+    int4_split(c.m0, c.size, kInt4PassRows, passes);
+  }
+  chunks.push_back(static_cast<int64_t>(passes.size()));
+  return passes;
+}
+
+// One chunk's passes (c0 .. c1 of `passes`) against one 16-row block at p: every span of groups,
+// every pass; then out = (A + B) * s (+ bias) for its rows from the carried totals.
+inline void int4_block_avx2(const uint8_t* p, const uint8_t* ahead, int64_t groups, int64_t kp, const Int4Rows& rows,
+                            const Int4Pass* c0, const Int4Pass* c1, const float* bias, float* out, int64_t ldo,
+                            int64_t valid, std::vector<float>& acc) {
+  const int64_t first = c0->m0, n = (c1 - 1)->m0 + (c1 - 1)->size - first;
+  const int halves = valid > 8 ? 2 : 1;
+  acc.assign(32 * n, 0.0f);
+  for (int64_t g0 = 0; g0 < groups; g0 += kInt4SpanGroups) {
+    const int64_t g1 = std::min(groups, g0 + kInt4SpanGroups);
+    const uint8_t* ask = n >= kPrefetchRows ? ahead : nullptr;
+    for (const Int4Pass* pass = c0; pass < c1; ++pass, ask = nullptr) {
+      const int8_t* vm = rows.v + pass->m0 * kp;
+      const float* xm = rows.sums.data() + pass->m0 * groups;
+      float* am = acc.data() + 32 * (pass->m0 - first);
+      switch (pass->size) {
+#define SPECDEC_CASE(S) case S: int4_tile<S>(p, g0, g1, vm, xm, am, halves, ask); break;
+        SPECDEC_CASE(6) SPECDEC_CASE(5) SPECDEC_CASE(4) SPECDEC_CASE(3) SPECDEC_CASE(2)
+        default: int4_tile<1>(p, g0, g1, vm, xm, am, halves, ask); break;
+#undef SPECDEC_CASE
+      }
+    }
+  }
+  for (int64_t m = 0; m < n; ++m) {
+    const float* am = acc.data() + 32 * m;
+    const __m256 s = _mm256_set1_ps(rows.s[first + m]);
+    float* row = out + (first + m) * ldo;
+    for (int h = 0; h < halves; ++h) {
+      const __m256 o = _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(am + 16 * h), _mm256_loadu_ps(am + 16 * h + 8)), s);
+      if (valid >= 8 * h + 8) {  // a whole half: 8 outputs in one store (bias: one add, as the scalar one)
+        _mm256_storeu_ps(row + 8 * h, bias != nullptr ? _mm256_add_ps(o, _mm256_loadu_ps(bias + 8 * h)) : o);
+        continue;
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, o);
+      for (int64_t l = 8 * h; l < valid; ++l) row[l] = bias != nullptr ? lanes[l - 8 * h] + bias[l] : lanes[l - 8 * h];
+    }
+  }
+}
+
+// The AVX2 product: each thread takes a range of 16-row blocks; for each chunk of rows in turn it
+// runs every block of its range, so the chunk's grid is read from the L2 by every block. Why: with
+// all rows a block, a prefill's grid (512 rows of 8960 inputs: 4.5 MB) came from the L3 for each one.
+inline void int4_product_avx2(const uint8_t* qs, int64_t blocks, int64_t groups, int64_t kp, int64_t n_out,
+                              const float* bs, float* os, const Int4Rows& rows, const std::vector<Int4Pass>& passes,
+                              const std::vector<int64_t>& chunks) {
+  const int64_t block_bytes = groups * kInt4GroupBytes;
+  at::parallel_for(0, blocks, 2, [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc;
+    for (size_t c = 0; c + 1 < chunks.size(); ++c) {
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t col = blk * 16;
+        const uint8_t* p = qs + blk * block_bytes;
+        int4_block_avx2(p, blk + 1 < blocks ? p + block_bytes : nullptr, groups, kp, rows, passes.data() + chunks[c],
+                        passes.data() + chunks[c + 1], bs != nullptr ? bs + col : nullptr, os + col, n_out,
+                        std::min<int64_t>(16, n_out - col), acc);
+      }
+    }
+  });
 }
 #endif
 
@@ -1245,39 +1359,44 @@ at::Tensor int4_product(at::Tensor x, const at::Tensor& q, const c10::optional<a
   auto out = empty_with_last(x, n_out);
   if (n == 0) return out;
   Int4Rows rows;
-#if defined(SPECDEC_VNNI) || defined(SPECDEC_INT4_AVX2)
-  int4_input(x, kp, rows, vector ? kInt4PassRows : 0);
-#else
-  int4_input(x, kp, rows, 0);
-#endif
+  std::vector<Int4Pass> passes;
   const uint8_t* qs = q.data_ptr<uint8_t>();
   float* os = out.data_ptr<float>();
+#if defined(SPECDEC_INT4_AVX2)
+  if (vector) {
+    std::vector<int64_t> chunks;
+    passes = int4_avx2_passes(n, kp, chunks);
+    int4_input(x, kp, rows, passes);
+    int4_product_avx2(qs, q.size(0) / 16, groups, kp, n_out, bs, os, rows, passes, chunks);
+    return out;
+  }
+#elif defined(SPECDEC_VNNI)
+  if (vector) int4_split(0, n, kInt4PassRows, passes);
+#endif
+  int4_input(x, kp, rows, passes);
   const int64_t block_bytes = groups * kInt4GroupBytes;
   at::parallel_for(0, q.size(0) / 16, 2, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t col = blk * 16, valid = std::min<int64_t>(16, n_out - col);
       const uint8_t* p = qs + blk * block_bytes;
       const float* bcol = bs != nullptr ? bs + col : nullptr;
-#if defined(SPECDEC_VNNI) || defined(SPECDEC_INT4_AVX2)
+#if defined(SPECDEC_VNNI)
       if (vector) {
         // All rows in passes of near-equal size (9 -> 5 + 4): the block's bytes stay in the core's
         // caches for the later passes.
-        const int64_t passes = int4_passes(n, kInt4PassRows);
         const uint8_t* ahead = n >= kPrefetchRows && blk + 1 < q.size(0) / 16 ? p + block_bytes : nullptr;
-        int64_t m = 0;
-        for (int64_t pass = 0; pass < passes; ++pass, ahead = nullptr) {
-          const int64_t size = (n - m + (passes - pass) - 1) / (passes - pass);
-          const int8_t* vm = rows.v + m * kp;
-          const float* xm = rows.sums.data() + m * groups;
-          const float* sm = rows.s.data() + m;
-          float* o = os + m * n_out + col;
-          switch (size) {
+        for (const Int4Pass& pass : passes) {
+          const int8_t* vm = rows.v + pass.m0 * kp;
+          const float* xm = rows.sums.data() + pass.m0 * groups;
+          const float* sm = rows.s.data() + pass.m0;
+          float* o = os + pass.m0 * n_out + col;
+          switch (pass.size) {
 #define SPECDEC_CASE(S) case S: int4_tile<S>(p, groups, vm, xm, sm, bcol, o, n_out, valid, ahead); break;
             SPECDEC_CASE(6) SPECDEC_CASE(5) SPECDEC_CASE(4) SPECDEC_CASE(3) SPECDEC_CASE(2)
             default: int4_tile<1>(p, groups, vm, xm, sm, bcol, o, n_out, valid, ahead); break;
 #undef SPECDEC_CASE
           }
-          m += size;
+          ahead = nullptr;
         }
         continue;
       }
