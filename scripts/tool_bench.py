@@ -200,10 +200,17 @@ def main(argv=None) -> dict:
                    help="replay the scripted read_file conversation over this many turns (0: none)")
     p.add_argument("--history-repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--peer-base-url", default=None,
+                   help="another server (e.g. llama-server --jinja) whose agent loops and history turns run "
+                        "interleaved with these, for a side-by-side ratio")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     client = openai.OpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=600)
     model = args.model or client.models.list().data[0].id
+    peer = None
+    if args.peer_base_url:
+        peer_client = openai.OpenAI(base_url=args.peer_base_url, api_key="unused", max_retries=0, timeout=600)
+        peer = (peer_client, peer_client.models.list().data[0].id)
     compare = not args.no_speculative_field
     cases = []
     for kind in args.cases.split(","):
@@ -222,23 +229,33 @@ def main(argv=None) -> dict:
         result.setdefault("history", []).append(turns)
         print("history: " + ", ".join(f"turn {t['turn']} {t['prompt_tokens']} tokens ({t['cached_tokens']} cached) "
                                       f"ttft {t['ttft_s'] or 0:.2f} s" for t in turns))
+        if peer is not None:
+            turns = history_turns(*peer, args.history, None)
+            result.setdefault("peer_history", []).append(turns)
+            print("peer history: " + ", ".join(f"turn {t['turn']} ttft {t['ttft_s'] or 0:.2f} s" for t in turns))
     if result.get("history") and args.history >= 2:
         ratio = [h[-1]["ttft_s"] / h[1]["ttft_s"] for h in result["history"] if h[-1]["ttft_s"] and h[1]["ttft_s"]]
         result["history_ttft_last_over_second"] = ratio
         print(f"history: turn {args.history} / turn 2 time to first token: " + ", ".join(f"{r:.2f}x" for r in ratio))
     for _ in range(args.loops):
         for scenario in SCENARIOS:
-            for speculative in ((True, False) if compare else (None,)):
-                loop = agent_loop(client, model, scenario, speculative, args.max_turns, args.max_tokens)
+            runs = [(client, model, s) for s in ((True, False) if compare else (None,))]
+            for who, name, speculative in runs + ([(*peer, "peer")] if peer is not None else []):
+                loop = agent_loop(who, name, scenario, None if speculative == "peer" else speculative,
+                                  args.max_turns, args.max_tokens)
                 loop["speculative"] = speculative
                 result["loops"].append(loop)
                 print(f"loop {scenario['name']} speculative={speculative}: {loop['total_s']:.2f} s, "
                       f"{len(loop['turns'])} turns, ttft " + ", ".join(f"{t['ttft_s'] or 0:.3f}" for t in loop["turns"]))
     if compare and result["loops"]:
-        on = sum(x["total_s"] for x in result["loops"] if x["speculative"])
+        on = sum(x["total_s"] for x in result["loops"] if x["speculative"] is True)
         off = sum(x["total_s"] for x in result["loops"] if x["speculative"] is False)
         result["loop_speedup"] = off / on if on else None
         print(f"agent loops: {off:.2f} s off / {on:.2f} s on = {result['loop_speedup']:.2f}x")
+        if peer is not None:
+            other = sum(x["total_s"] for x in result["loops"] if x["speculative"] == "peer")
+            result["loop_speedup_over_peer"] = other / on if on else None
+            print(f"agent loops: {other:.2f} s peer / {on:.2f} s on = {result['loop_speedup_over_peer']:.2f}x")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result

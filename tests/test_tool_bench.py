@@ -92,12 +92,14 @@ def test_the_bench_runs_against_a_server(server, tmp_path, monkeypatch):
     out = tmp_path / "tools.json"
     result = tool_bench.main(["--base-url", server + "/v1", "--cases", "own", "--limit", "3", "--loops", "1",
                               "--max-turns", "2", "--max-tokens", "24", "--history", "3", "--history-repeats", "1",
-                              "--out", str(out)])
+                              "--peer-base-url", server + "/v1", "--out", str(out)])
     assert json.loads(out.read_text())["accuracy"] == result["accuracy"]
     row = result["accuracy"]["own"]
     assert row["cases"] == 3 and 0 <= row["right"] <= row["as_tool_calls"] <= 3
     assert row["identical_off"] == 3  # greedy: the same answer with speculation off
-    assert len(result["loops"]) == 2 * len(tool_bench.SCENARIOS)
+    assert len(result["loops"]) == 3 * len(tool_bench.SCENARIOS)  # on, off, and the peer (here the same server)
+    assert [x["speculative"] for x in result["loops"][:3]] == [True, False, "peer"]
+    assert result["loop_speedup"] > 0 and result["loop_speedup_over_peer"] > 0 and len(result["peer_history"]) == 1
     for loop in result["loops"]:
         assert loop["total_s"] > 0 and 1 <= len(loop["turns"]) <= 2
         assert all(t["tokens"] is not None and t["turn_s"] > 0 for t in loop["turns"])
