@@ -122,15 +122,17 @@ def accuracy(client, model: str, cases: list[dict], compare: bool, max_tokens: i
     out: dict = {}
     for case in cases:
         kind = case["id"].split("_")[0]
-        row = out.setdefault(kind, {"cases": 0, "right": 0, "as_tool_calls": 0, "identical_off": 0, "errors": []})
+        row = out.setdefault(kind, {"cases": 0, "right": 0, "as_tool_calls": 0, "identical_off": 0, "errors": [], "per_case": []})
         row["cases"] += 1
         try:
             calls, _ = ask(client, model, case, True if compare else None, max_tokens)
         except openai.APIStatusError as exc:  # a schema the server refuses: a wrong answer, said why
             row["errors"].append({"id": case["id"], "status": exc.status_code, "message": str(exc)[:300]})
             continue
-        row["right"] += case_right(calls, case["truth"])
+        right = case_right(calls, case["truth"])
+        row["right"] += right
         row["as_tool_calls"] += bool(calls)
+        row["per_case"].append({"id": case["id"], "right": right, "calls": calls})
         if compare:
             row["identical_off"] += ask(client, model, case, False, max_tokens)[0] == calls
     for row in out.values():

@@ -97,6 +97,7 @@ def test_the_bench_runs_against_a_server(server, tmp_path, monkeypatch):
     row = result["accuracy"]["own"]
     assert row["cases"] == 3 and 0 <= row["right"] <= row["as_tool_calls"] <= 3
     assert row["identical_off"] == 3  # greedy: the same answer with speculation off
+    assert [c["right"] for c in row["per_case"]].count(True) == row["right"] and len(row["per_case"]) == 3
     assert len(result["loops"]) == 3 * len(tool_bench.SCENARIOS)  # on, off, and the peer (here the same server)
     assert [x["speculative"] for x in result["loops"][:3]] == [True, False, "peer"]
     assert result["loop_speedup"] > 0 and result["loop_speedup_over_peer"] > 0 and len(result["peer_history"]) == 1
