@@ -287,12 +287,17 @@ class Tokenizer:
             raise InvalidRequestError("structured output needs a fast (tokenizer.json) tokenizer", "response_format")
         return backend.to_str()
 
+    def _encode_rust(self, text: str, special: bool):
+        # encode_batch, not encode: it lets go of the GIL while it works, so a server tokenising a
+        # long prompt in a worker thread keeps its event loop answering (encode holds the GIL).
+        return self._rust.encode_batch([text], add_special_tokens=special)[0]
+
     def encode(self, text: str) -> list[int]:
         if not text:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         check_text(text)
         if self._rust is not None:
-            return self._rust.encode(text).ids  # with the special tokens tokenizer.json adds (BOS)
+            return self._encode_rust(text, True).ids  # with the special tokens tokenizer.json adds (BOS)
         return list(self._tok(text).input_ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -303,7 +308,7 @@ class Tokenizer:
     def encode_plain(self, text: str) -> list[int]:
         """Ids of `text` alone: no BOS or other special tokens added."""
         if self._rust is not None:
-            return self._rust.encode(text, add_special_tokens=False).ids
+            return self._encode_rust(text, False).ids
         return list(self._tok(text, add_special_tokens=False).input_ids)
 
     def encode_offsets(self, text: str) -> tuple[list[int], list[int]]:
@@ -313,7 +318,7 @@ class Tokenizer:
         a character begins where that character does); otherwise found by decoding the tokens one
         at a time (`Detokenizer`), which gives the same starts in more time."""
         if self._rust is not None:
-            enc = self._rust.encode(text, add_special_tokens=False)
+            enc = self._encode_rust(text, False)
             ids, offsets = enc.ids, enc.offsets
         else:
             try:
