@@ -17,12 +17,14 @@ History: a scripted agent conversation replayed turn by turn as an agent framewo
 (`--history TURNS`): the model asked to read a file part by part, each turn adding one read_file
 call and its result (~450 tokens of Python's own textwrap.py), so turn 10 carries >= 4k tokens of
 history; per turn the prompt tokens, the tokens the prefix cache served and the time to the first
-streamed chunk. A run's first message names the run, so no run reuses another's cache.
+token (a one-token answer's time). A run's first message names the run, so no run reuses another's cache.
 
 Agent loop: each scenario's conversation runs until the model answers without calls (or
 --max-turns), every call answered by a fake tool with a fixed result; per turn the time to the
 first streamed chunk, the completion tokens and the turn's time; the loop's total with speculation
-on and, with the field, off. The server's prefix cache serves both alike.
+on and, with the field, off. The server's prefix cache serves both alike: each run's first message
+a `cache_salt` of its own (specdec's and vLLM's field), so a run reuses its own earlier turns, never
+another run's (a server without the field, `--no-speculative-field`, is sent none).
 """
 
 from __future__ import annotations
@@ -79,25 +81,22 @@ READ_FILE = {"type": "function", "function": {
 
 
 def history_turns(client, model: str, turns: int, speculative: bool | None) -> list[dict]:
-    """The scripted conversation of the module doc, sent once per turn: [{turn, prompt_tokens,
-    cached_tokens, ttft_s}]."""
+    """The scripted conversation of the module doc, sent once per turn for one token (so the time is
+    the time to the first token, whatever the token is): [{turn, prompt_tokens, cached_tokens,
+    ttft_s}]."""
     source = inspect.getsource(textwrap)
     parts = [source[i:i + PART_CHARS] for i in range(0, len(source), PART_CHARS)]
     messages = [{"role": "user", "content": f"(run {uuid.uuid4().hex[:8]}) Read textwrap.py part by part with "
                                             "read_file, then tell me what its dedent function does."}]
     out = []
     for n in range(1, turns + 1):
-        started, first, usage = time.perf_counter(), None, None
-        stream = client.chat.completions.create(model=model, messages=messages, tools=[READ_FILE], temperature=0,
-                                                max_tokens=8, stream=True, stream_options={"include_usage": True},
-                                                **_extra(speculative))
-        for chunk in stream:
-            usage = chunk.usage or usage
-            if first is None and chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].delta.tool_calls):
-                first = time.perf_counter() - started
-        details = getattr(usage, "prompt_tokens_details", None)
-        out.append({"turn": n, "prompt_tokens": usage.prompt_tokens if usage else None,
-                    "cached_tokens": getattr(details, "cached_tokens", None), "ttft_s": first})
+        started = time.perf_counter()
+        res = client.chat.completions.create(model=model, messages=messages, tools=[READ_FILE], temperature=0,
+                                             max_tokens=1, **_extra(speculative))
+        seconds = time.perf_counter() - started
+        details = getattr(res.usage, "prompt_tokens_details", None)
+        out.append({"turn": n, "prompt_tokens": res.usage.prompt_tokens if res.usage else None,
+                    "cached_tokens": getattr(details, "cached_tokens", None), "ttft_s": seconds})
         call_id = f"call_{n}"
         messages.append({"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {
             "name": "read_file", "arguments": json.dumps({"path": "textwrap.py", "part": n})}}]})
@@ -105,8 +104,11 @@ def history_turns(client, model: str, turns: int, speculative: bool | None) -> l
     return out
 
 
-def _extra(speculative: bool | None) -> dict:
-    return {} if speculative is None else {"extra_body": {"speculative": speculative}}
+def _extra(speculative: bool | None, salt: str | None = None) -> dict:
+    """specdec's fields (none for a server without them: speculative None)."""
+    if speculative is None:
+        return {}
+    return {"extra_body": {"speculative": speculative} | ({"cache_salt": salt} if salt else {})}
 
 
 def ask(client, model: str, case: dict, speculative: bool | None, max_tokens: int):
@@ -140,13 +142,15 @@ def accuracy(client, model: str, cases: list[dict], compare: bool, max_tokens: i
     return out
 
 
-def turn(client, model: str, messages: list, tools: list, speculative: bool | None, max_tokens: int) -> dict:
+def turn(client, model: str, messages: list, tools: list, speculative: bool | None, max_tokens: int,
+         salt: str | None = None) -> dict:
     """One streamed turn: its message (content, calls) and timings."""
     started, first = time.perf_counter(), None
     content, calls, usage = "", {}, None
     stream = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice="auto",
                                             temperature=0, max_tokens=max_tokens, stream=True,
-                                            stream_options={"include_usage": True}, **_extra(speculative))
+                                            stream_options={"include_usage": True},
+                                            **_extra(speculative, salt))
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
@@ -167,9 +171,9 @@ def turn(client, model: str, messages: list, tools: list, speculative: bool | No
 def agent_loop(client, model: str, scenario: dict, speculative: bool | None, max_turns: int, max_tokens: int) -> dict:
     tools = [TOOLS[n] for n in scenario["tools"]]
     messages = [{"role": "user", "content": scenario["ask"]}]
-    turns, started = [], time.perf_counter()
+    turns, started, salt = [], time.perf_counter(), uuid.uuid4().hex
     for _ in range(max_turns):
-        t = turn(client, model, messages, tools, speculative, max_tokens)
+        t = turn(client, model, messages, tools, speculative, max_tokens, salt)
         turns.append({k: t[k] for k in ("ttft_s", "turn_s", "tokens")} | {"calls": [c["name"] for c in t["calls"]]})
         if not t["calls"]:
             break
