@@ -22,8 +22,8 @@ token (a one-token answer's time). A run's first message names the run, so no ru
 Agent loop: each scenario's conversation runs until the model answers without calls (or
 --max-turns), every call answered by a fake tool with a fixed result; per turn the time to the
 first streamed chunk, the completion tokens and the turn's time; the loop's total with speculation
-on and, with the field, off. The server's prefix cache serves both alike: each run's first message
-a `cache_salt` of its own (specdec's and vLLM's field), so a run reuses its own earlier turns, never
+on and, with the field, off. The server's prefix cache serves both alike: each run sends a
+`cache_salt` of its own (specdec's and vLLM's field), so it reuses its own earlier turns, never
 another run's (a server without the field, `--no-speculative-field`, is sent none).
 """
 
@@ -234,13 +234,13 @@ def main(argv=None) -> dict:
         turns = history_turns(client, model, args.history, True if compare else None)
         result.setdefault("history", []).append(turns)
         print("history: " + ", ".join(f"turn {t['turn']} {t['prompt_tokens']} tokens ({t['cached_tokens']} cached) "
-                                      f"ttft {t['ttft_s'] or 0:.2f} s" for t in turns))
+                                      f"ttft {t['ttft_s']:.2f} s" for t in turns))
         if peer is not None:
             turns = history_turns(*peer, args.history, None)
             result.setdefault("peer_history", []).append(turns)
-            print("peer history: " + ", ".join(f"turn {t['turn']} ttft {t['ttft_s'] or 0:.2f} s" for t in turns))
+            print("peer history: " + ", ".join(f"turn {t['turn']} ttft {t['ttft_s']:.2f} s" for t in turns))
     if result.get("history") and args.history >= 2:
-        ratio = [h[-1]["ttft_s"] / h[1]["ttft_s"] for h in result["history"] if h[-1]["ttft_s"] and h[1]["ttft_s"]]
+        ratio = [h[-1]["ttft_s"] / h[1]["ttft_s"] for h in result["history"]]
         result["history_ttft_last_over_second"] = ratio
         print(f"history: turn {args.history} / turn 2 time to first token: " + ", ".join(f"{r:.2f}x" for r in ratio))
     for _ in range(args.loops):

@@ -20,12 +20,12 @@ _INERT_CONFIG_KEYS = frozenset({
     "backend", "is_local", "local_files_only", "model_max_length", "model_input_names", "padding_side",
     "truncation_side", "tokenizer_class", "chat_template",
 })
-_INERT_WHEN_EMPTY = frozenset({
-    "added_tokens_decoder", "additional_special_tokens", "extra_special_tokens", "clean_up_tokenization_spaces",
-    "split_special_tokens", "add_prefix_space",
-})
-# The named special tokens transformers gives a tokenizer (and a chat template as variables).
+_INERT_WHEN_EMPTY = frozenset({"clean_up_tokenization_spaces", "split_special_tokens", "add_prefix_space"})
+# The named special tokens transformers gives a tokenizer (and a chat template as variables), and the
+# keys naming added tokens: inert whatever they hold once `_tokens_agree` finds tokenizer.json says
+# the same of each token.
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_ADDED_TOKEN_KEYS = frozenset({"added_tokens_decoder", "additional_special_tokens", "extra_special_tokens"})
 # Tokenizer classes whose transformers tokenizer is the Rust one of tokenizer.json as saved (checked
 # for Gemma's by tests/test_models.py, text by text against transformers).
 _PLAIN_CLASSES = frozenset({"GemmaTokenizer", "GemmaTokenizerFast", "PreTrainedTokenizerFast", "TokenizersBackend"})
@@ -71,7 +71,7 @@ def _auto_class(folder: Path, config: dict) -> str | None:
         return named or "PreTrainedTokenizerFast"
     if model_type == "qwen2":
         return "Qwen2Tokenizer"
-    return named or _TYPE_CLASSES.get(model_type) if model_type in _TYPE_CLASSES else None
+    return (named or _TYPE_CLASSES[model_type]) if model_type in _TYPE_CLASSES else None
 
 
 def _plain_reading(folder: Path) -> _Plain | None:
@@ -95,8 +95,8 @@ def _plain_reading(folder: Path) -> _Plain | None:
     if tokenizer_class not in _PLAIN_CLASSES and not qwen2:
         return None
     for key, value in config.items():
-        inert = (key in _INERT_CONFIG_KEYS or key in _NAMED_TOKENS or (key in _INERT_WHEN_EMPTY and not value)
-                 or key in ("added_tokens_decoder", "additional_special_tokens", "extra_special_tokens")
+        inert = (key in _INERT_CONFIG_KEYS or key in _NAMED_TOKENS or key in _ADDED_TOKEN_KEYS
+                 or (key in _INERT_WHEN_EMPTY and not value)
                  or (qwen2 and (key == "add_prefix_space" or (key == "errors" and value == "replace"))))
         if not inert:
             return None

@@ -57,17 +57,18 @@ from ..settings import DEFAULT_NUM_SPECULATIVE_TOKENS
 _DTYPE = str
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")  # as Engine.load takes them
 QUANTIZE_NAMES = ("none", "int8", "int4")
+_PREDICTION = {"prediction": "flag", "unrelated_prediction": "flag"}  # what any drafting configuration drafts from first
 KINDS: dict[str, tuple[str, dict[str, object]]] = {
     "plain": ("specdec", {"dtype": _DTYPE, "quantize": str}),
-    "ngram": ("specdec", {"prediction": "flag", "unrelated_prediction": "flag", "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str,
+    "ngram": ("specdec", {**_PREDICTION, "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str,
                           "max_ngram": int, "min_ngram": int,
                           "dtype": _DTYPE, "quantize": str}),
-    "suffix": ("specdec", {"prediction": "flag", "unrelated_prediction": "flag", "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "max_ngram": int, "min_ngram": int,
+    "suffix": ("specdec", {**_PREDICTION, "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "max_ngram": int, "min_ngram": int,
                            "dtype": _DTYPE, "quantize": str}),
-    "draft": ("specdec", {"prediction": "flag", "unrelated_prediction": "flag", "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "model": str, "p_min": float,
+    "draft": ("specdec", {**_PREDICTION, "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "model": str, "p_min": float,
                           "lookup": str, "draft_quantize": str, "vocab": int, "window": int, "dtype": _DTYPE,
                           "quantize": str}),
-    "eagle": ("specdec", {"prediction": "flag", "unrelated_prediction": "flag", "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str, "head": str, "p_min": float,
+    "eagle": ("specdec", {**_PREDICTION, "k": int, "adaptive": "flag", "cost": "flag", "fixed": "flag", "tree": str, "head": str, "p_min": float,
                           "lookup": str, "dtype": _DTYPE, "quantize": str}),
     "hf": ("hf", {"dtype": _DTYPE}),
     "hf-lookup": ("hf", {"k": int, "n": int, "dtype": _DTYPE}),
