@@ -235,7 +235,8 @@ def test_rms_norm_matches_pytorch(kernels, period):
 
 
 @pytest.mark.parametrize("heads, kv_heads, d, t", [(4, 1, 256, 1), (4, 1, 256, 9), (4, 2, 40, 5), (2, 2, 64, 3),
-                                                 (3, 1, 36, 4)])  # an odd head per key head; d % 8 inputs
+                                                 (3, 1, 36, 4),  # an odd head per key head; d % 8 inputs
+                                                 (4, 1, 256, 100), (3, 1, 36, 64)])  # prefills: an item per row group
 def test_attention_matches_sdpa_and_each_row_stands_alone(kernels, heads, kv_heads, d, t):
     # Two batch rows of different lengths over a 300-slot cache (three chunks), causal within the
     # block and a sliding window on the second row: the masks the model builds.
@@ -278,7 +279,8 @@ def _attention_case(g, heads, kv_heads, d, t, dtype):
     return q, keys, values, visible[:, None], d**-0.5
 
 
-@pytest.mark.parametrize("heads, kv_heads, d, t", [(4, 1, 256, 1), (4, 1, 256, 9), (4, 2, 40, 5), (3, 1, 36, 4)])
+@pytest.mark.parametrize("heads, kv_heads, d, t", [(4, 1, 256, 1), (4, 1, 256, 9), (4, 2, 40, 5), (3, 1, 36, 4),
+                                                 (4, 2, 40, 90)])
 def test_attention_over_a_float16_cache_is_the_float32_attention_of_its_values(kernels, heads, kv_heads, d, t):
     # A float16 cache is read as the float32 of each element (exact), so the result is, bit for bit,
     # the attention over a float32 cache holding the same values; and each query row still stands

@@ -1807,7 +1807,8 @@ at::Tensor argmax_rows(at::Tensor x) {
 
 // -- attention for a few queries ---------------------------------------------------------------
 //
-// softmax(q k^T * scale) v over the visible cache slots, for decode and verify blocks. Each query
+// softmax(q k^T * scale) v over the visible cache slots: decode and verify blocks, and every block
+// of a model whose layers the kernels run whole (prefills too: `decoder_layer`). Each query
 // row's result is computed in an order fixed by the slots it sees alone: the slots are cut into
 // chunks of kChunk at fixed indices, each chunk gives (its max m_c, sum l_c of exp(score - m_c), and
 // acc_c = the exp-weighted sum of its values), and the chunks merge in index order. So a query's
@@ -1825,6 +1826,11 @@ at::Tensor argmax_rows(at::Tensor x) {
 // two threads share 3 : 2; 128-slot chunks would give 2 : 1, with the last chunk short.
 constexpr int64_t kChunk = 64;
 constexpr int64_t kRowsPerItem = 4;
+// Blocks of at least this many row groups (61+ rows: prefills) take one work item per row group,
+// which merges its own chunks; shorter ones (decode, verify) share each chunk among the threads.
+// Both give every row the same bits; the long block's per-chunk partials stay in the item's buffer
+// (for 2,048 rows of Gemma 3 270M they were 270 MB a layer through memory).
+constexpr int64_t kRowGroupsApart = 16;
 
 // The dot products of 4 query vectors with one key row over d inputs. Each dot runs two 8-lane
 // chains of fused multiply-adds, one over the even 8-input blocks (0-7, 16-23, ...), one over the odd
@@ -1935,6 +1941,25 @@ inline void weighted_sum_heads(const float* const* p, const int64_t* slots, int6
     }
 }
 
+// One (query row, head)'s result from its chunks' (max m[c], sum of exps l[c], exp-weighted values
+// acc[c * d, (c + 1) * d)), merged in index order into o[0, d): every path merges with this one
+// sequence of operations. A chunk with m = -inf adds nothing and its acc is never read.
+inline void merge_chunks(const float* m, const float* l, const float* acc, int64_t chunks, int64_t d, float* o) {
+  float top = -INFINITY;
+  for (int64_t c = 0; c < chunks; ++c) top = std::max(top, m[c]);
+  std::fill(o, o + d, 0.0f);
+  if (top == -INFINITY) return;  // sees no slot at all (not a real query)
+  float total = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (m[c] == -INFINITY) continue;
+    const float w = std::exp(m[c] - top);
+    total += l[c] * w;
+    axpy(w, acc + c * d, o, d);
+  }
+  const float inv = 1.0f / total;
+  for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+}
+
 // q: [b, H, T, d] float32; cache_k, cache_v: [b, KVH, capacity, d] float32 or float16 (rows
 // contiguous, both of one type); visible:
 // [b, 1, T, S] bool over the first S slots; scale: the score factor. Query head h reads kv head
@@ -1966,25 +1991,16 @@ at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Ten
   // The block's rows in near-equal groups of at most kRowsPerItem (9 -> 3 + 3 + 3).
   const int64_t row_groups = (t + kRowsPerItem - 1) / kRowsPerItem;
   auto out = at::empty({b, t, heads * d}, q.options());
-  // Per (query row, head, chunk): max, sum of exps, and the exp-weighted values. Every entry is
-  // written by its work item, so the buffers need no zeroing. They are the calling thread's, kept
-  // from call to call: a 16-row step's are ~0.5 MB, which a fresh allocation took from the system
-  // (and faulted in page by page) at every layer.
-  const int64_t parts = b * t * heads * chunks;
-  static thread_local std::vector<float> part_buffer;
-  if (part_buffer.size() < static_cast<size_t>(parts * (d + 2))) part_buffer.resize(parts * (d + 2));
-  float* const part_m = part_buffer.data();
-  float* const part_l = part_m + parts;
-  float* const part_acc = part_l + parts;
   const float* qs = q.data_ptr<float>();
   const T* ks = cache_k.data_ptr<T>();
   const T* vs = cache_v.data_ptr<T>();
   const float sc = static_cast<float>(scale);
   const int64_t k_stride = cache_k.stride(2), v_stride = cache_v.stride(2);
-  // Work items: (batch row, kv head, chunk, row group), each for the heads that read that kv head.
-  // The row groups of one chunk follow each other, so its keys and values (128 KB for Gemma 3) come
-  // from memory once and from the core's cache for the other rows of a verify block.
-  at::parallel_for(0, b * kv_heads * chunks * row_groups, 1, [&](int64_t i0, int64_t i1) {
+  // One chunk of one row group (rows [r0, r1) of batch row bi, the heads that read kv head kv):
+  // its (max, sum of exps, exp-weighted values) for each query vector i, written at part(i) of
+  // pm, pl and pacc (pacc in d-float entries).
+  auto score_chunk = [&](int64_t bi, int64_t kv, int64_t c, int64_t r0, int64_t r1, float* pm, float* pl, float* pacc,
+                         auto part) {
     const int64_t most = kRowsPerItem * group;  // query vectors an item scores
     static thread_local std::vector<float> scores, probs;
     static thread_local std::vector<int64_t> seen;
@@ -1993,112 +2009,149 @@ at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Ten
     probs.resize(std::max<size_t>(probs.size(), most * kChunk));
     seen.resize(kChunk);
     qv.resize(std::max<size_t>(qv.size(), most + 3));
+    const int64_t s0 = (first + c) * kChunk, s1 = std::min(span, s0 + kChunk);
+    const T* kbase = ks + bi * cache_k.stride(0) + kv * cache_k.stride(1);
+    const T* vbase = vs + bi * cache_v.stride(0) + kv * cache_v.stride(1);
+    const bool* block_vis = vis + bi * t * span;
+    const int64_t nq = (r1 - r0) * group;
+    // The slots any of the rows sees, in order.
+    int64_t n = 0;
+    for (int64_t s = s0; s < s1; ++s)
+      for (int64_t r = r0; r < r1; ++r)
+        if (block_vis[r * span + s]) {
+          seen[n++] = s;
+          break;
+        }
+    if (n == 0) {  // none of the rows sees this chunk (a causal prefill's later chunks): the merge skips it
+      for (int64_t i = 0; i < nq; ++i) {
+        pm[part(i)] = -INFINITY;
+        pl[part(i)] = 0.0f;
+      }
+      return;
+    }
+    // Query vector i = (row r0 + i / group, head kv * group + i % group); padded to a multiple
+    // of 4 by repeating the last (their scores are not kept).
+    for (int64_t i = 0; i < nq; ++i)
+      qv[i] = qs + ((bi * heads + kv * group + i % group) * t + r0 + i / group) * d;
+    for (int64_t i = nq; i < nq + 3; ++i) qv[i] = qv[nq - 1];
+    // Scores, one slot at a time for up to four queries.
+    float tile[4];
+    for (int64_t j = 0; j < n; ++j) {
+      const T* krow = kbase + seen[j] * k_stride;
+#if defined(__AVX2__)
+      // Ask for the slot's value row now: the weighted sums below read the rows 16 elements at a
+      // time, a pattern the hardware prefetcher does not follow from memory.
+      const char* vrow = reinterpret_cast<const char*>(vbase + seen[j] * v_stride);
+      for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(T)); byte += 64) _mm_prefetch(vrow + byte, _MM_HINT_T1);
+#endif
+      for (int64_t i = 0; i < nq; i += 4) {
+        scores_4x1(qv.data() + i, krow, d, tile);
+        for (int64_t h = 0; h < 4 && i + h < nq; ++h) scores[(i + h) * kChunk + j] = tile[h];
+      }
+    }
+    // Each query's softmax over the slots its row sees; the others get probability 0.
+    for (int64_t i = 0; i < nq; ++i) {
+      const bool* row_vis = block_vis + (r0 + i / group) * span;
+      float* sg = scores.data() + i * kChunk;
+      float* pg = probs.data() + i * kChunk;
+      float m = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        sg[j] *= sc;
+        if (row_vis[seen[j]]) m = std::max(m, sg[j]);
+      }
+      float l = 0.0f;
+      if (m != -INFINITY) {
+        exp_shifted(sg, m, n, pg);
+        for (int64_t j = 0; j < n; ++j) {
+          if (!row_vis[seen[j]]) pg[j] = 0.0f;
+          l += pg[j];
+        }
+      } else {
+        std::fill(pg, pg + n, 0.0f);  // the row sees nothing here: m = -inf, l = 0, acc = 0
+      }
+      pm[part(i)] = m;
+      pl[part(i)] = l;
+    }
+    // The exp-weighted values, four queries (then two, then one) per pass over the value rows.
+    const float* p4[4];
+    float* a4[4];
+    auto queries_from = [&](int64_t i0q, int count) {
+      for (int h = 0; h < count; ++h) {
+        p4[h] = probs.data() + (i0q + h) * kChunk;
+        a4[h] = pacc + part(i0q + h) * d;
+      }
+    };
+    int64_t i = 0;
+    for (; i + 4 <= nq; i += 4) {
+      queries_from(i, 4);
+      weighted_sum_heads<4>(p4, seen.data(), n, vbase, v_stride, a4, d);
+    }
+    for (; i + 2 <= nq; i += 2) {
+      queries_from(i, 2);
+      weighted_sum_heads<2>(p4, seen.data(), n, vbase, v_stride, a4, d);
+    }
+    if (i < nq) {
+      queries_from(i, 1);
+      weighted_sum_heads<1>(p4, seen.data(), n, vbase, v_stride, a4, d);
+    }
+  };
+  float* os = out.data_ptr<float>();
+  auto out_row = [&](int64_t bi, int64_t row, int64_t head) { return os + (bi * t + row) * heads * d + head * d; };
+  if (row_groups >= kRowGroupsApart) {
+    // A long block (a prefill): work items are (batch row, kv head, row group), each scoring its
+    // chunks in order into its own buffers and merging them at once, so the partial results of a
+    // whole block never go through memory. The rows' arithmetic is the same as below, bit for bit.
+    // Row groups are handed out from both ends alternately (0, last, 1, last - 1, ...): under a
+    // causal mask the later rows see more slots, and each thread's share of the range then holds
+    // early and late rows alike.
+    at::parallel_for(0, b * kv_heads * row_groups, 1, [&](int64_t i0, int64_t i1) {
+      static thread_local std::vector<float> local;
+      for (int64_t item = i0; item < i1; ++item) {
+        const int64_t turn = item % row_groups, kv = (item / row_groups) % kv_heads, bi = item / (row_groups * kv_heads);
+        const int64_t rg = turn % 2 == 0 ? turn / 2 : row_groups - 1 - turn / 2;
+        const int64_t r0 = rg * t / row_groups, r1 = (rg + 1) * t / row_groups, nq = (r1 - r0) * group;
+        if (local.size() < static_cast<size_t>(nq * chunks * (d + 2))) local.resize(nq * chunks * (d + 2));
+        float* pm = local.data();
+        float* pl = pm + nq * chunks;
+        float* pacc = pl + nq * chunks;
+        for (int64_t c = 0; c < chunks; ++c)
+          score_chunk(bi, kv, c, r0, r1, pm, pl, pacc, [&](int64_t i) { return i * chunks + c; });
+        for (int64_t i = 0; i < nq; ++i)
+          merge_chunks(pm + i * chunks, pl + i * chunks, pacc + i * chunks * d, chunks, d,
+                       out_row(bi, r0 + i / group, kv * group + i % group));
+      }
+    });
+    return out;
+  }
+  // Decode and verify blocks: work items are (batch row, kv head, chunk, row group), so that a
+  // one-token step's chunks are shared among the threads. The row groups of one chunk follow each
+  // other, so its keys and values (128 KB for Gemma 3) come from memory once and from the core's
+  // cache for the other rows of a verify block. Per (query row, head, chunk): max, sum of exps, and
+  // the exp-weighted values, merged after. Every entry is written by its work item, so the buffers
+  // need no zeroing. They are the calling thread's, kept from call to call: a 16-row step's are
+  // ~0.5 MB, which a fresh allocation took from the system (and faulted in page by page) at every
+  // layer.
+  const int64_t parts = b * t * heads * chunks;
+  static thread_local std::vector<float> part_buffer;
+  if (part_buffer.size() < static_cast<size_t>(parts * (d + 2))) part_buffer.resize(parts * (d + 2));
+  float* const part_m = part_buffer.data();
+  float* const part_l = part_m + parts;
+  float* const part_acc = part_l + parts;
+  at::parallel_for(0, b * kv_heads * chunks * row_groups, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t rg = item % row_groups, c = (item / row_groups) % chunks,
                     kv = (item / (row_groups * chunks)) % kv_heads, bi = item / (row_groups * chunks * kv_heads);
       const int64_t r0 = rg * t / row_groups, r1 = (rg + 1) * t / row_groups;
-      const int64_t s0 = (first + c) * kChunk, s1 = std::min(span, s0 + kChunk);
-      const T* kbase = ks + bi * cache_k.stride(0) + kv * cache_k.stride(1);
-      const T* vbase = vs + bi * cache_v.stride(0) + kv * cache_v.stride(1);
-      const bool* block_vis = vis + bi * t * span;
-      // The slots any of the rows sees, in order.
-      int64_t n = 0;
-      for (int64_t s = s0; s < s1; ++s)
-        for (int64_t r = r0; r < r1; ++r)
-          if (block_vis[r * span + s]) {
-            seen[n++] = s;
-            break;
-          }
-      // Query vector i = (row r0 + i / group, head kv * group + i % group); padded to a multiple
-      // of 4 by repeating the last (their scores are not kept).
-      const int64_t nq = (r1 - r0) * group;
-      for (int64_t i = 0; i < nq; ++i)
-        qv[i] = qs + ((bi * heads + kv * group + i % group) * t + r0 + i / group) * d;
-      for (int64_t i = nq; i < nq + 3; ++i) qv[i] = qv[nq - 1];
       // Query vector i's (row, head, chunk) entry in the partial results.
-      auto part_of = [&](int64_t i) { return ((bi * t + r0 + i / group) * heads + kv * group + i % group) * chunks + c; };
-      // Scores, one slot at a time for up to four queries.
-      float tile[4];
-      for (int64_t j = 0; j < n; ++j) {
-        const T* krow = kbase + seen[j] * k_stride;
-#if defined(__AVX2__)
-        // Ask for the slot's value row now: the weighted sums below read the rows 16 elements at a
-        // time, a pattern the hardware prefetcher does not follow from memory.
-        const char* vrow = reinterpret_cast<const char*>(vbase + seen[j] * v_stride);
-        for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(T)); byte += 64) _mm_prefetch(vrow + byte, _MM_HINT_T1);
-#endif
-        for (int64_t i = 0; i < nq; i += 4) {
-          scores_4x1(qv.data() + i, krow, d, tile);
-          for (int64_t h = 0; h < 4 && i + h < nq; ++h) scores[(i + h) * kChunk + j] = tile[h];
-        }
-      }
-      // Each query's softmax over the slots its row sees; the others get probability 0.
-      for (int64_t i = 0; i < nq; ++i) {
-        const bool* row_vis = block_vis + (r0 + i / group) * span;
-        float* sg = scores.data() + i * kChunk;
-        float* pg = probs.data() + i * kChunk;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) {
-          sg[j] *= sc;
-          if (row_vis[seen[j]]) m = std::max(m, sg[j]);
-        }
-        float l = 0.0f;
-        if (m != -INFINITY) {
-          exp_shifted(sg, m, n, pg);
-          for (int64_t j = 0; j < n; ++j) {
-            if (!row_vis[seen[j]]) pg[j] = 0.0f;
-            l += pg[j];
-          }
-        } else {
-          std::fill(pg, pg + n, 0.0f);  // the row sees nothing here: m = -inf, l = 0, acc = 0
-        }
-        part_m[part_of(i)] = m;
-        part_l[part_of(i)] = l;
-      }
-      // The exp-weighted values, four queries (then two, then one) per pass over the value rows.
-      const float* p4[4];
-      float* a4[4];
-      auto queries_from = [&](int64_t i0q, int count) {
-        for (int h = 0; h < count; ++h) {
-          p4[h] = probs.data() + (i0q + h) * kChunk;
-          a4[h] = part_acc + part_of(i0q + h) * d;
-        }
-      };
-      int64_t i = 0;
-      for (; i + 4 <= nq; i += 4) {
-        queries_from(i, 4);
-        weighted_sum_heads<4>(p4, seen.data(), n, vbase, v_stride, a4, d);
-      }
-      for (; i + 2 <= nq; i += 2) {
-        queries_from(i, 2);
-        weighted_sum_heads<2>(p4, seen.data(), n, vbase, v_stride, a4, d);
-      }
-      if (i < nq) {
-        queries_from(i, 1);
-        weighted_sum_heads<1>(p4, seen.data(), n, vbase, v_stride, a4, d);
-      }
+      score_chunk(bi, kv, c, r0, r1, part_m, part_l, part_acc,
+                  [&](int64_t i) { return ((bi * t + r0 + i / group) * heads + kv * group + i % group) * chunks + c; });
     }
   });
   // Merge each (query row, head)'s chunks in index order.
-  float* os = out.data_ptr<float>();
   at::parallel_for(0, b * t * heads, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t h = r % heads, bt = r / heads;
-      float* o = os + bt * heads * d + h * d;
-      float top = -INFINITY;
-      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, part_m[r * chunks + c]);
-      std::fill(o, o + d, 0.0f);
-      if (top == -INFINITY) continue;  // sees no slot at all (not a real query)
-      float total = 0.0f;
-      for (int64_t c = 0; c < chunks; ++c) {
-        if (part_m[r * chunks + c] == -INFINITY) continue;
-        const float w = std::exp(part_m[r * chunks + c] - top);
-        total += part_l[r * chunks + c] * w;
-        axpy(w, part_acc + (r * chunks + c) * d, o, d);
-      }
-      const float inv = 1.0f / total;
-      for (int64_t i = 0; i < d; ++i) o[i] *= inv;
-    }
+    for (int64_t r = r0; r < r1; ++r)
+      merge_chunks(part_m + r * chunks, part_l + r * chunks, part_acc + r * chunks * d, chunks, d,
+                   out_row(r / (heads * t), (r / heads) % t, r % heads));
   });
   return out;
 }
