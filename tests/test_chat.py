@@ -263,3 +263,34 @@ def test_chat_in_a_terminal_ctrl_c_overflow_and_ctrl_d(tiny_folder):
         assert term.exit_code() == 0
     finally:
         term.kill()
+
+
+def test_a_draft_model_reads_only_each_new_turn(chat_engine, tmp_path, monkeypatch):
+    """The chat keeps the draft model's read of the earlier turns between them, as it keeps the
+    target's row: a turn's first proposal reads its new message (and the template around it), not
+    the whole conversation; every answer is still plain decoding's."""
+    import torch
+
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.models import loader
+
+    draft, _ = loader.load(make_tiny_hf(tmp_path, "gemma3", seed=1)[0], torch.float32, "cpu")
+    reads = []
+    real = DraftModelDrafter._run
+
+    def counting(self, new, start, last_n, need_hidden=True):
+        if last_n == 0:  # a read: context tokens, no head
+            reads.append(len(new))
+        return real(self, new, start, last_n, need_hidden)
+
+    monkeypatch.setattr(DraftModelDrafter, "_run", counting)
+    engine = Engine(chat_engine.model, chat_engine.tokenizer, drafter=DraftModelDrafter(draft, chat_engine.model.config.vocab_size),
+                    num_speculative_tokens=3, draft_length="fixed")
+    session = ChatSession(engine, system="be brief", max_tokens=12)
+    first = session.ask("hello there")
+    assert first.token_ids == fresh(chat_engine, session, 12).token_ids and sum(reads) == first.prompt_tokens
+    reads.clear()
+    second = session.ask("tell me more")
+    assert second.token_ids == fresh(chat_engine, session, 12).token_ids
+    new = second.prompt_tokens - first.prompt_tokens - len(first.token_ids)
+    assert 0 < sum(reads) <= new + 3 < second.prompt_tokens // 2

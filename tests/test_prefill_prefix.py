@@ -4,8 +4,8 @@ a long prompt that arrives shares steps with the running rows."""
 import pytest
 import torch
 
-from specdec import Engine
-from specdec.drafters.draft_model import DraftModelDrafter
+from specdec import Engine, SamplingParams
+from specdec.drafters.draft_model import DraftModelDrafter, DraftPool
 from specdec.models import loader
 from specdec.models.quant import cpu_int8_available
 from specdec.prefix_cache import PrefixCache, common_prefix
@@ -330,3 +330,63 @@ def test_a_quantised_prompt_prefilled_in_pieces_is_bit_identical_to_one_prefill(
         for layer in range(len(cache.keys)):
             assert torch.equal(pieces.keys[layer][:, :, :90], cache.keys[layer][:, :, :90]), (cuts, layer)
             assert torch.equal(pieces.values[layer][:, :, :90], cache.values[layer][:, :, :90]), (cuts, layer)
+
+
+def test_a_draft_model_reads_a_resent_conversation_once_per_partition(tiny, monkeypatch):
+    """The draft model's row is kept between requests of one prefix-cache partition: a
+    conversation's next turn reads only what the last one did not leave read (the new turn), as the
+    target copies the rest from its prefix cache; a request of another partition, or a seeded
+    sampled one (whose read decision must not depend on earlier requests), reads its whole prompt.
+    Greedy output stays plain decoding's."""
+    target, draft = tiny
+    reads = []
+    real = DraftModelDrafter._run
+
+    def counting(self, new, start, last_n, need_hidden=True):
+        if last_n == 0:  # a read: the context's tokens, no head
+            reads.append((start, len(new)))
+        return real(self, new, start, last_n, need_hidden)
+
+    monkeypatch.setattr(DraftModelDrafter, "_run", counting)
+    plain = Engine(target, None)
+    drafters = dict(serving_drafters()[0], draft_model=DraftModelDrafter(draft, V))
+    sched = BatchScheduler(target, None, adaptive=False, drafters=drafters, drafter="draft_model",
+                           num_speculative_tokens=3, max_batch=2, max_model_len=200, prefix_cache_tokens=400,
+                           draft_length="fixed")
+    turn, read_per_turn = ids(40, 3), []
+    for step in range(3):
+        turn = turn + ids(12, 60 + step)
+        reads.clear()
+        [answer] = drive_ids(sched, [sched.submit(Request(list(turn), 6, cache_partition=("alice", "")))])
+        assert answer == plain.generate(prompt_ids=turn, max_new_tokens=6).token_ids
+        read_per_turn.append(sum(n for _, n in reads))
+        turn = turn + answer
+    # The first proposal comes after the prefill's token: it reads the prompt (that token is forwarded
+    # with the first draft). Later turns start from the row the last turn left (its prompt and the
+    # answer it drafted along), so they read the new turn's 12 ids and a token or two of the answer.
+    assert read_per_turn[0] == 40 + 12
+    assert all(n <= 12 + 3 for n in read_per_turn[1:]) and all(start >= 40 + 12 for start, _ in reads)
+    for partition, sampling in ((("bob", ""), SamplingParams()), (("alice", ""), SamplingParams(temperature=1.0, seed=5))):
+        reads.clear()
+        drive_ids(sched, [sched.submit(Request(list(turn), 4, sampling=sampling, cache_partition=partition))])
+        assert reads[0] == (0, len(turn))  # nothing kept for it: the whole prompt
+
+
+def test_the_draft_pool_matches_kept_rows_within_their_partition(tiny):
+    _, draft = tiny
+    pool = DraftPool(draft.new_cache(3, 64))
+    a, b = ids(30, 8), ids(30, 9)
+    for slot, held in ((0, a), (1, b)):
+        got, _ = pool.acquire(held, None)
+        assert got == slot
+        pool.cache.lengths[slot] = len(held)
+        pool.release(slot, held, ("t", "s") if slot == 0 else ("u", ""))
+    # Its own partition's row, cut to the common prefix (never the last id of the view).
+    assert pool.acquire(a[:20] + [1, 2], ("t", "s")) == (0, a[:20]) and int(pool.cache.lengths[0]) == 20
+    pool.release(0, a[:20], ("t", "s"))
+    assert pool.acquire(a[:15] + [1], ("t", "s")) == (2, [])  # under MIN_KEPT_TOKENS: an empty row
+    # Another partition's row holding the very ids is not matched: the row released longest ago
+    # is taken, emptied.
+    assert pool.acquire(b, ("t", "s")) == (1, [])
+    assert int(pool.cache.lengths[1]) == 0 and pool.kept == {0: (("t", "s"), a[:20])}
+    assert pool.acquire(a, None) == (0, []) and int(pool.cache.lengths[0]) == 0  # no partition: nothing kept

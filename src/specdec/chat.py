@@ -10,7 +10,7 @@ answer is the one `Engine.generate` gives for the fresh rendering: the reuse is 
 construction, and where the template renders an answer differently from the ids the model emitted
 (another tokenisation of the same text, a stop string's cut), the shared prefix is just shorter.
 A drafter that reads the target's hidden state of every prompt token (EAGLE) gets the whole prompt
-scored each turn.
+scored each turn; a draft model keeps its own read of the earlier turns the same way (`keep_within`).
 
 The context: a turn needs its rendering plus `max_tokens` for the answer within the model's
 `max_position`. When the conversation outgrows that, the oldest whole turns (a user message with
@@ -41,7 +41,7 @@ from .engine import Emitted, Engine, Stats, Step
 from .errors import InvalidRequestError, SpecdecError
 from .models import loader
 from .models.kv_cache import KVCache
-from .prefix_cache import common_prefix
+from .prefix_cache import SHARED, common_prefix
 from .sampling import SamplingParams
 from .tokenizer import check_text, lacks_chat_template
 
@@ -92,6 +92,8 @@ class ChatSession:
         self.messages: list[dict] = []  # whole turns: user, assistant, user, assistant, ...
         self._cache: KVCache | None = None
         self._held: list[int] = []  # the tokens whose keys and values fill the cache row's first slots
+        if engine.drafter is not None and engine.drafter.needs.reads:
+            engine.drafter.keep_within(SHARED)  # a draft model's read of the earlier turns is kept too
 
     def reset(self) -> None:
         """Forget the conversation; the system prompt stays (and its slots, for the next turn)."""

@@ -38,7 +38,9 @@ and emits its first token (`Engine.step`), instead of a one-row forward that rea
 Slots keep their positions and no layer drops old slots, so the copy is the state that scoring
 the prefix would have left, sliding-window layers included. Rows of a learned drafter that reads
 the target's hidden states (EAGLE) score their whole prompt: a copy brings no hidden states. A
-draft model's own cache catches up with its row's context by its prefix rule, as always.
+draft model's own cache row is kept the same way, within the same partition: a request takes the
+row an earlier one of its partition left with the longest common prefix (`DraftPool`), and its
+prefix rule reads only the rest.
 
 Drafters. The server loads every drafter a request may name at start (`serving_drafters`: none,
 ngram, suffix, and a draft model or an EAGLE head with its lookup-first combinations); a request
@@ -339,6 +341,8 @@ class BatchScheduler:
         k = self.k if request.num_speculative_tokens is None else request.num_speculative_tokens
         loaded = self.drafters[name]
         drafter = loaded.spawn() if loaded is not None and k > 0 else None
+        if drafter is not None and drafter.needs.reads and self.prefix_cache is not None:
+            drafter.keep_within(request.cache_partition)  # its read of a re-sent conversation too
         # A prediction row's chains may grow to PREDICTION_K_MAX (its own acceptance per kind of
         # guess decides), or to the request's own k where it gives one.
         row = self.engine.new_row(request.prompt_ids, max_new_tokens=request.max_new_tokens,

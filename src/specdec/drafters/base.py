@@ -218,6 +218,12 @@ class PromptReader(Protocol):
         (`policy.AskGate.reads`)."""
         ...
 
+    def keep_within(self, partition: object) -> None:
+        """Requests of this drafter may start from what an earlier request of `partition` left
+        read (a common prefix of their contexts), and leave theirs; None: nothing is kept. The
+        caller names partitions as the target's prefix cache does (the server's tenant and salt)."""
+        ...
+
 
 @runtime_checkable
 class SelfSizing(Protocol):

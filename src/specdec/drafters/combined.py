@@ -73,6 +73,9 @@ class LookupFirstDrafter(DrafterBase):
     def read(self, context: list[int]) -> None:
         self.learned.read(context)
 
+    def keep_within(self, partition: object) -> None:
+        self.learned.keep_within(partition)
+
     def stop_by(self, stop) -> None:
         # Only the learned part's chains are sized by their price; a lookup's is cut by the rule.
         self.learned.stop_by(stop)

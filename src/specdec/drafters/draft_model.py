@@ -183,6 +183,11 @@ class DraftModelDrafter(DrafterBase):
         self._tokens: list[int] = []  # ids whose keys/values the cache holds, in order
         self._pool: DraftPool | None = None  # shared by the spawned rows of a server (`reserve`)
         self._slot: int | None = None  # this request's row of the pool's cache
+        # Kept between requests (`keep_within`): the partition whose requests may start from what
+        # this one leaves in the draft's cache (None: start empty, leave nothing), and, without a
+        # pool, what the last request left: (partition, cache, ids its slots hold).
+        self._partition: object = None
+        self._kept: tuple[object, KVCache, list[int]] | None = None
         self._stop = None  # the row's `policy.ChainStop` (`stop_by`); None: draft the k asked for
         # Prompt window: the draft reads the prompt's first PROMPT_SINK tokens and its last `window`
         # (None: all of it); `_cut` is where this request's skipped middle ends (0: nothing skipped).
@@ -291,6 +296,7 @@ class DraftModelDrafter(DrafterBase):
         twin.__dict__.update(self.__dict__)
         twin._slot = None
         twin._stop = None
+        twin._partition, twin._kept = None, None
         twin.end([])
         twin._sampling = SamplingParams()
         return twin
@@ -323,17 +329,29 @@ class DraftModelDrafter(DrafterBase):
         if generator is None and not self._sampling.greedy:
             generator = make_generator(self._sampling.seed, self.device)
         self._generator = generator
-        if self._pool is not None:
-            if self._slot is None:
-                self._slot = self._pool.acquire()
-            self._cache = self._pool.cache.rows(self._slot + 1, self._slot)
-            self._cache.truncate(0)
-        else:
-            self._cache = self.model.new_cache(1, len(prompt_ids) + _INITIAL_ROOM, dtype=self.kv_dtype)
-        self._tokens = []
         self._cut = 0
         if self.window is not None and len(prompt_ids) > PROMPT_SINK + self.window:
             self._cut = len(prompt_ids) - self.window
+        # A seeded sampled row starts empty: whether its prompt read pays (`policy.AskGate.reads`)
+        # must not depend on what earlier requests left, or its seed would not fix its text.
+        reuse = self._partition if self._sampling.greedy or self._sampling.seed is None else None
+        view = self._view(prompt_ids)
+        if self._pool is not None:
+            if self._slot is None:
+                self._slot, held = self._pool.acquire(view, reuse)
+            else:
+                self._pool.cache.truncate(0, row=self._slot)
+                held = []
+            self._cache = self._pool.cache.rows(self._slot + 1, self._slot)
+        else:
+            kept, self._kept = self._kept, None
+            held = kept_prefix(kept[2], view) if kept is not None and reuse is not None and kept[0] == reuse else []
+            if held:
+                self._cache = kept[1]
+                self._cache.truncate(len(held))
+            else:
+                self._cache = self.model.new_cache(1, len(prompt_ids) + _INITIAL_ROOM, dtype=self.kv_dtype)
+        self._tokens = held
         # The prompt is not read here: reading it is the draft's largest single cost (a prompt of a
         # few hundred tokens costs as many plain target steps as a short answer saves), paid before
         # any draft is proposed. It is `pending` until the core first means to ask, which `read`s
@@ -443,11 +461,23 @@ class DraftModelDrafter(DrafterBase):
         # Nothing to do: the next propose truncates the rejected drafts by the prefix rule.
         pass
 
+    def keep_within(self, partition: object) -> None:
+        """Let this drafter's requests start from what an earlier request of `partition` left in
+        the draft's cache (the longest common prefix of their ids), and leave theirs for a later
+        one; None (the default): start empty, leave nothing. See `DraftPool`."""
+        self._partition = partition
+
     def end(self, output_ids: list[int]) -> None:
+        # Slots are kept only while the cache holds exactly the ids `_tokens` names (a fault in a
+        # forward may have left them apart).
+        exact = self._cache is not None and self._cache.length() == len(self._tokens)
+        keep = self._tokens if exact and self._partition is not None else None
         if self._slot is not None:
-            self._pool.release(self._slot)
+            self._pool.release(self._slot, keep, self._partition)
             self._slot = None
-        self._cache = None  # free the cache between requests
+        elif keep:
+            self._kept = (self._partition, self._cache, keep)
+        self._cache = None  # free the cache between requests (a kept one lives on in `_kept`)
         self._tokens = []
         self._generator = None
 
@@ -535,25 +565,71 @@ class DraftModelDrafter(DrafterBase):
         self._cache = grown
 
 
+MIN_KEPT_TOKENS = 16  # a shorter common prefix with a kept row is not worth taking it for
+
+
+def kept_prefix(held: list[int], view: list[int]) -> list[int]:
+    """The ids of `held` that a request reading `view` can keep: their common prefix, but never
+    `view`'s last id (a proposal forwards it for its first scores); [] below MIN_KEPT_TOKENS."""
+    n = min(common_prefix_length(held, view), len(view) - 1)
+    return list(held[:n]) if n >= MIN_KEPT_TOKENS else []
+
+
 class DraftPool:
     """One KV cache whose rows the drafters of a server's requests take, one each, while they run.
 
     Rows are handed out lowest first, so the rows in use stay near the start and a batched forward
     over rows [lo, hi) wastes little on rows of requests that are not drafting this step.
+
+    Kept rows. A request that ends in a partition (`keep_within`: the server's tenant and cache
+    salt, as the target's prefix cache) leaves its row's slots in place, with the ids they hold.
+    A request of the same partition whose prompt shares at least MIN_KEPT_TOKENS leading ids with
+    such a row takes that row and reads only the rest: an agent's or a chat's next turn re-sends
+    the conversation, which the draft would otherwise read whole each time while the target copies
+    it from its prefix cache. A row is matched only within its partition, so no request starts
+    from, or times, another partition's text; any other request takes the lowest row holding
+    nothing, or else the one released longest ago, and empties it (so whether a kept row is still
+    there tells a partition only that other requests came, never what they held). A slot's keys
+    and values depend only on the ids up to it: a kept row is what a fresh read of them gives, up
+    to the rounding of the forwards that wrote them, as a request's own prefix rule already keeps;
+    only acceptance can move, never the output.
     """
 
     def __init__(self, cache: KVCache):
         self.cache = cache
         self.free = list(range(cache.batch))
+        self.kept: dict[int, tuple[object, list[int]]] = {}  # free row -> (partition, the ids its slots hold)
+        self._released: dict[int, int] = {}  # free row -> when it was released (a counter)
+        self._clock = 0
 
-    def acquire(self) -> int:
+    def acquire(self, view: list[int] | None = None, partition: object = None) -> tuple[int, list[int]]:
+        """A free row for a request reading `view`, and the ids its slots already hold (a prefix
+        of `view`, or [] when the row starts empty)."""
         if not self.free:
             raise RuntimeError("the draft model's cache has no free row: reserve as many rows as the batch has")
-        self.free.sort()
-        return self.free.pop(0)
+        best, held = None, []
+        if partition is not None and view:
+            for slot in sorted(self.free):
+                owner, ids = self.kept.get(slot, (None, []))
+                if owner == partition and len(shared := kept_prefix(ids, view)) > len(held):
+                    best, held = slot, shared
+        if best is None:
+            empty = sorted(s for s in self.free if s not in self.kept)
+            best = empty[0] if empty else min(self.free, key=lambda s: self._released.get(s, -1))
+        self.free.remove(best)
+        self.kept.pop(best, None)
+        self.cache.truncate(len(held), row=best)
+        return best, held
 
-    def release(self, slot: int) -> None:
-        self.cache.truncate(0, row=slot)
+    def release(self, slot: int, held: list[int] | None = None, partition: object = None) -> None:
+        """Hand `slot` back; with `held` (the ids its slots hold) and a partition, its slots stay
+        for a later request of that partition."""
+        if held and partition is not None:
+            self.kept[slot] = (partition, list(held))
+        else:
+            self.cache.truncate(0, row=slot)
+        self._clock += 1
+        self._released[slot] = self._clock
         self.free.append(slot)
 
 

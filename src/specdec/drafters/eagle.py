@@ -354,7 +354,7 @@ class EagleDrafter(DrafterBase):
         room = len(prompt_ids) + _INITIAL_ROOM
         if self._pool is not None:
             if self._slot is None:
-                self._slot = self._pool.acquire()
+                self._slot, _ = self._pool.acquire()  # an EAGLE row starts empty: it reads hidden states
             self._cache = self._pool.cache.rows(self._slot + 1, self._slot)
             self._cache.truncate(0)
         else:
