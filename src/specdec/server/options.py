@@ -109,7 +109,8 @@ def _serving_arguments(parser) -> None:
                              "delays them by one chunk per step; 0 = each prompt in one forward")
     parser.add_argument("--prefix-cache-tokens", type=int, default=DEFAULT_PREFIX_CACHE_TOKENS,
                         help="tokens of finished requests whose KV entries are kept for later requests with the "
-                             "same prefix (system prompt, earlier turns), least recently used evicted first; "
+                             "same prefix (system prompt, earlier turns), least recently used evicted first (a "
+                             "draft model's rows are kept too, within the request's tenant and salt); "
                              "memory: this times the KV bytes per token (18 KiB for Gemma 3 270M in float16, the default "
                              "on the CPU; 36 KiB in float32); "
                              "0 = off")
