@@ -2196,18 +2196,26 @@ enum LayerPart {
 // Block.forward on its compiled path, in one call: the same kernels in the same order on the same
 // tensors, so the same bits, without ~100 Python-level steps a layer (attribute lookups, module
 // calls, views), a visible share of a small model's int8 step.
-// x: [b, T, h] float32 with T <= the row attention's limit; sizes: heads, kv_heads, head_dim and the
-// four projections' output sizes; eps, qk_eps, scale (attention's score factor); gelu_tanh.
+// x: [b, T, h] float32, a block of any length; sizes: heads, kv_heads, head_dim and the four
+// projections' output sizes; eps, qk_eps, scale (attention's score factor); gelu_tanh; keep: 0, or
+// the last rows that go past the cache write (a prefill's last layer: [b, keep, h] out).
 at::Tensor decoder_layer(at::Tensor x, std::vector<c10::optional<at::Tensor>> p, std::vector<int64_t> sizes,
                          double eps, double qk_eps, double scale, bool gelu_tanh, at::Tensor cos, at::Tensor sin,
-                         at::Tensor cache_k, at::Tensor cache_v, at::Tensor slots, at::Tensor visible) {
+                         at::Tensor cache_k, at::Tensor cache_v, at::Tensor slots, at::Tensor visible, int64_t keep) {
   TORCH_CHECK(p.size() == kLayerParts && sizes.size() == 7, "decoder_layer: wrong number of parts");
   const int64_t heads = sizes[0], kv_heads = sizes[1], d = sizes[2];
   const int64_t b = x.size(0), t = x.size(1);
   const at::Tensor h = rms_norm(x, *p[kInNorm], eps);
   const auto parts = project(h, p[kQkv], p[kQkvScale], p[kQkvBias], sizes[3]).view({b, t, -1, d}).split_with_sizes({heads + kv_heads, kv_heads}, 2);
   const at::Tensor qk = p[kQkNorm].has_value() ? rms_norm(parts[0], *p[kQkNorm], qk_eps) : parts[0];
-  const at::Tensor q = rope_write(qk, parts[1], cos, sin, cache_k, cache_v, slots);
+  at::Tensor q = rope_write(qk, parts[1], cos, sin, cache_k, cache_v, slots);
+  if (keep > 0 && keep < t) {
+    // Every row's key and value are in the cache; only the last `keep` rows go on. Each kernel
+    // computes a row by itself, so they are the bits the whole block gives them.
+    q = q.narrow(2, t - keep, keep);
+    visible = visible.narrow(2, t - keep, keep);
+    x = x.narrow(1, t - keep, keep).contiguous();
+  }
   const at::Tensor attn = project(attention(q, cache_k, cache_v, visible, scale), p[kO], p[kOScale], p[kOBias], sizes[4]);
   const auto mid = residual_norm(x, attn, p[kAttnNorm], p[kFfInNorm], eps);
   const at::Tensor up = project(mid[1], p[kGateUp], p[kGateUpScale], p[kGateUpBias], sizes[5]);
@@ -2241,5 +2249,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "the argmax of each row, as torch.argmax (lowest index, NaN first)");
   m.def("attention", &attention, "softmax attention of a few queries over the visible cache slots, row by row");
   m.def("rope_write", &rope_write, "rotary embedding of q and k; k and v written to the cache");
-  m.def("decoder_layer", &decoder_layer, "one decoder layer of a decode or verify block (Block.forward's compiled path)");
+  m.def("decoder_layer", &decoder_layer, "one decoder layer of a block, the last `keep` rows out (0: all; Block.forward's compiled path)");
 }

@@ -423,9 +423,11 @@ class Block(Layer):
             # Every block, a decode step, a verify pass or a prefill of any length, in one compiled
             # call that works row by row: a row's bits never depend on the block it is in, so a prompt
             # prefilled in chunks or after a cached prefix goes on exactly as one prefilled whole (the
-            # SDPA path below rounds differently by block shape). `keep`: all rows run, the last kept.
-            out = kernels.decoder_layer(x, *parts, cos, sin, cache.keys[layer], cache.values[layer], slots, visible)
-            return out if keep is None else out[:, out.shape[1] - keep :]
+            # SDPA path below rounds differently by block shape). `keep`: every row's key and value
+            # go to the cache, only the last rows attend and pass the MLP, each as it would in the
+            # whole block.
+            return kernels.decoder_layer(x, *parts, cos, sin, cache.keys[layer], cache.values[layer], slots, visible,
+                                         keep or 0)
         attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, visible, keep, plan)
         if keep is not None:
             x = x[:, x.shape[1] - keep :]
