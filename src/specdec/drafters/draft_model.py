@@ -599,8 +599,6 @@ class DraftPool:
         self.cache = cache
         self.free = list(range(cache.batch))
         self.kept: dict[int, tuple[object, list[int]]] = {}  # free row -> (partition, the ids its slots hold)
-        self._released: dict[int, int] = {}  # free row -> when it was released (a counter)
-        self._clock = 0
 
     def acquire(self, view: list[int] | None = None, partition: object = None) -> tuple[int, list[int]]:
         """A free row for a request reading `view`, and the ids its slots already hold (a prefix
@@ -614,8 +612,9 @@ class DraftPool:
                 if owner == partition and len(shared := kept_prefix(ids, view)) > len(held):
                     best, held = slot, shared
         if best is None:
-            empty = sorted(s for s in self.free if s not in self.kept)
-            best = empty[0] if empty else min(self.free, key=lambda s: self._released.get(s, -1))
+            empty = [s for s in self.free if s not in self.kept]
+            # `free` holds the rows in the order they were released (a kept row was released once).
+            best = min(empty) if empty else self.free[0]
         self.free.remove(best)
         self.kept.pop(best, None)
         self.cache.truncate(len(held), row=best)
@@ -628,8 +627,6 @@ class DraftPool:
             self.kept[slot] = (partition, list(held))
         else:
             self.cache.truncate(0, row=slot)
-        self._clock += 1
-        self._released[slot] = self._clock
         self.free.append(slot)
 
 
