@@ -108,7 +108,7 @@ def _extra(speculative: bool | None, salt: str | None = None) -> dict:
     """specdec's fields (none for a server without them: speculative None)."""
     if speculative is None:
         return {}
-    return {"extra_body": {"speculative": speculative} | ({"cache_salt": salt} if salt else {})}
+    return {"extra_body": {"speculative": speculative, "specdec": {"stats": True}} | ({"cache_salt": salt} if salt else {})}
 
 
 def ask(client, model: str, case: dict, speculative: bool | None, max_tokens: int):
@@ -146,7 +146,7 @@ def turn(client, model: str, messages: list, tools: list, speculative: bool | No
          salt: str | None = None) -> dict:
     """One streamed turn: its message (content, calls) and timings."""
     started, first = time.perf_counter(), None
-    content, calls, usage = "", {}, None
+    content, calls, usage, stats = "", {}, None, {}
     stream = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice="auto",
                                             temperature=0, max_tokens=max_tokens, stream=True,
                                             stream_options={"include_usage": True},
@@ -154,6 +154,7 @@ def turn(client, model: str, messages: list, tools: list, speculative: bool | No
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
+        stats = (getattr(chunk, "specdec", None) or {}).get("stats") or stats  # the last chunk's, from specdec
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
@@ -164,8 +165,13 @@ def turn(client, model: str, messages: list, tools: list, speculative: bool | No
             entry = calls.setdefault(part.index, {"id": part.id, "name": "", "arguments": ""})
             entry["name"] += (part.function.name or "") if part.function else ""
             entry["arguments"] += (part.function.arguments or "") if part.function else ""
+    details = usage.prompt_tokens_details if usage else None
     return {"content": content, "calls": [calls[i] for i in sorted(calls)], "ttft_s": first,
-            "turn_s": time.perf_counter() - started, "tokens": usage.completion_tokens if usage else None}
+            "turn_s": time.perf_counter() - started, "tokens": usage.completion_tokens if usage else None,
+            "prompt_tokens": usage.prompt_tokens if usage else None,
+            "cached_tokens": details.cached_tokens if details else None,
+            "target_passes": stats.get("target_passes"), "draft_tokens": stats.get("draft_tokens"),
+            "accepted_tokens": stats.get("accepted_tokens")}
 
 
 def agent_loop(client, model: str, scenario: dict, speculative: bool | None, max_turns: int, max_tokens: int) -> dict:
@@ -174,7 +180,8 @@ def agent_loop(client, model: str, scenario: dict, speculative: bool | None, max
     turns, started, salt = [], time.perf_counter(), uuid.uuid4().hex
     for _ in range(max_turns):
         t = turn(client, model, messages, tools, speculative, max_tokens, salt)
-        turns.append({k: t[k] for k in ("ttft_s", "turn_s", "tokens")} | {"calls": [c["name"] for c in t["calls"]]})
+        turns.append({k: t[k] for k in ("ttft_s", "turn_s", "tokens", "prompt_tokens", "cached_tokens", "target_passes",
+                                        "draft_tokens", "accepted_tokens")} | {"calls": [c["name"] for c in t["calls"]]})
         if not t["calls"]:
             break
         messages.append({"role": "assistant", "content": t["content"] or None, "tool_calls": [
@@ -258,6 +265,15 @@ def main(argv=None) -> dict:
         off = sum(x["total_s"] for x in result["loops"] if x["speculative"] is False)
         result["loop_speedup"] = off / on if on else None
         print(f"agent loops: {off:.2f} s off / {on:.2f} s on = {result['loop_speedup']:.2f}x")
+        for mode in (True, False):
+            for part, pick in (("first turns", lambda i: i == 0), ("later turns", lambda i: i > 0)):
+                turns = [t for x in result["loops"] if x["speculative"] is mode
+                         for i, t in enumerate(x["turns"]) if pick(i)]
+                total = {k: sum(t[k] or 0 for t in turns) for k in ("turn_s", "ttft_s", "tokens", "prompt_tokens",
+                                                                   "cached_tokens", "target_passes")}
+                print(f"  speculative={mode}, {part}: {total['turn_s']:.2f} s (to the first token "
+                      f"{total['ttft_s']:.2f} s), {total['prompt_tokens']} prompt tokens ({total['cached_tokens']} "
+                      f"cached), {total['tokens']} tokens in {total['target_passes']} target passes")
         if peer is not None:
             other = sum(x["total_s"] for x in result["loops"] if x["speculative"] == "peer")
             result["loop_speedup_over_peer"] = other / on if on else None

@@ -104,6 +104,14 @@ def test_the_bench_runs_against_a_server(server, tmp_path, monkeypatch):
     for loop in result["loops"]:
         assert loop["total_s"] > 0 and 1 <= len(loop["turns"]) <= 2
         assert all(t["tokens"] is not None and t["turn_s"] > 0 for t in loop["turns"])
+        for t in loop["turns"]:  # each turn's passes from the stream's statistics (specdec's fields only)
+            if loop["speculative"] == "peer":
+                assert t["target_passes"] is None
+            else:
+                assert 1 <= t["target_passes"] <= t["tokens"] and t["prompt_tokens"] > t["cached_tokens"] >= 0
+                assert 0 <= t["accepted_tokens"] <= t["draft_tokens"]
+                if loop["speculative"] is False:
+                    assert t["target_passes"] == t["tokens"] and t["draft_tokens"] == 0
     turns, = result["history"]  # each turn re-sends the last one's prompt: the prefix cache serves it
     assert [t["turn"] for t in turns] == [1, 2, 3] and all(t["ttft_s"] > 0 for t in turns)
     for before, now in zip(turns, turns[1:]):
