@@ -330,3 +330,24 @@ def test_a_catch_up_after_a_pause_is_read_whatever_its_price(llama):
     assert reads and reads[0] == len(ids) + 1  # the prompt, before the first proposal
     assert len(reads) >= 2 and max(n - len(ids) for n in reads) > 60  # catch-ups of the re-probes, late too
     assert max(n - len(ids) for n in proposals) > 60
+
+
+def test_a_followed_prediction_goes_first_however_well_the_model_has_paid(llama):
+    """A lookup-first row may ask its model before a lookup guess whose kind has paid less; never
+    before a prediction the output has been following: those drafts are free and the model,
+    asked instead, drafts the same tokens one forward each."""
+    from specdec.drafters.prediction import FOLLOW, JOIN
+    from specdec.policy import DraftController, row_rule
+
+    drafter = lookup_first(NgramDrafter(), DraftModelDrafter(noisy_copy(llama, 0.0, 1), V))
+    cost = DraftCost(prior=0.01)
+    rule = row_rule("cost", 5, model=llama, verify_cost=0.1, verify_overhead=0.0, draft_cost=cost, k_max=64)
+    control = DraftController(drafter, rule, cost, fixed_k=False)
+    ids = prompts(1)[0]
+    drafter.begin(ids)
+    for _ in range(20):
+        rule.gate.observe_ask(gained=8.0, cost=1.0)  # the model's asks have paid well
+    assert control.plan(ids, 64, None) > 0 and control.stop is not None  # asked this step
+    first = control.learned_first()
+    assert first((JOIN, "line")) and first((JOIN, "start"))  # weighed, and here the model goes first
+    assert not first(FOLLOW)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from .drafters.base import Proposal
 from .drafters.combined import LEARNED
+from .drafters.prediction import FOLLOW
 from .errors import InvalidRequestError
 from .verify import TokenTree
 
@@ -554,12 +555,14 @@ class DraftController:
         """For a lookup-first row whose model sizes its own chains and is asked this step: a test of
         a lookup guess's kind, True where the model's asks have been worth more per plain step
         (`AskGate.value`) than that kind at its best length (`CostAwareDraftLength.value`);
-        otherwise None (lookup's guess first, as ever)."""
+        otherwise None (lookup's guess first, as ever). A prediction the output has been following
+        (`FOLLOW`) always goes first: it is the client's own text, free to draft, and the model,
+        asked instead, drafts the same tokens one forward each."""
         if not self.stops or self.stop is None:
             return None
         rule = self.rule
         learned = rule.gate.value()
-        return lambda source: learned > rule.value(source)
+        return lambda source: source != FOLLOW and learned > rule.value(source)
 
     def learned_k(self, plan: int) -> int:
         """The length a lookup-first row's learned part drafts where lookup found nothing."""
