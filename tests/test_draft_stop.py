@@ -11,8 +11,9 @@ from specdec import Engine, SamplingParams
 from specdec.drafters import DraftModelDrafter
 from specdec.drafters.combined import LEARNED, lookup_first
 from specdec.drafters.ngram import NgramDrafter
+from specdec.drafters.prediction import FOLLOW, JOIN
 from specdec.models import loader
-from specdec.policy import AskGate, ChainStop, DraftCost
+from specdec.policy import AskGate, ChainStop, DraftController, DraftCost, row_rule
 
 from test_draft_model import N_NEW, PROMPT, SAMPLES, SMALL_V, chi_square_p, noisy_copy, small_model
 
@@ -336,9 +337,6 @@ def test_a_followed_prediction_goes_first_however_well_the_model_has_paid(llama)
     """A lookup-first row may ask its model before a lookup guess whose kind has paid less; never
     before a prediction the output has been following: those drafts are free and the model,
     asked instead, drafts the same tokens one forward each."""
-    from specdec.drafters.prediction import FOLLOW, JOIN
-    from specdec.policy import DraftController, row_rule
-
     drafter = lookup_first(NgramDrafter(), DraftModelDrafter(noisy_copy(llama, 0.0, 1), V))
     cost = DraftCost(prior=0.01)
     rule = row_rule("cost", 5, model=llama, verify_cost=0.1, verify_overhead=0.0, draft_cost=cost, k_max=64)
