@@ -458,7 +458,8 @@ def test_serve_says_ready_logs_each_request_and_reloads_on_sighup(tiny_folder, t
         lines = [proc.stderr.readline()]
         assert lines[0].startswith("specdec: loading") and "serving" not in lines[0], lines
         lines.append(proc.stderr.readline())
-        assert lines[1].strip() == f"specdec: ready: serving 'tiny' on {url}", lines
+        # No --max-model-len: the tiny model's own context, 512 tokens.
+        assert lines[1].strip() == f"specdec: ready: serving 'tiny' on {url} (context 512 tokens a request, 16 at once)", lines
         assert httpx.get(url + "/health").status_code == 200
         complete(url, ALICE, SECRET)
         assert httpx.post(url + C, json={"prompt": SECRET}, headers=auth("Bearer nope-nope-nope")).status_code == 401

@@ -126,6 +126,12 @@ from .step import TokenLogprob
 from .tokenizer import Tokenizer
 
 LOOKUP_DRAFTERS = ("none", "ngram", "suffix")
+# A server's context when none is asked for: the model's own, cut where every row's caches at full
+# length would pass this share of the memory free at start (rows commit memory only as they fill,
+# `kv_cache.lazy_zeros`, so the share bounds the worst case, every row full); never below FLOOR.
+CONTEXT_MEMORY_SHARE = 0.5
+CONTEXT_FLOOR = 2048
+CONTEXT_STEP = 1024  # a cut context is rounded down to a multiple of this
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens prefilled per step while rows run (0: whole prompts)
 DEFAULT_PREFIX_CACHE_TOKENS = 16384  # the server's prefix store, in cached tokens (0: off)
 log = logging.getLogger("specdec.scheduler")
@@ -197,6 +203,34 @@ class SchedulerCounters:
     prefill_forwards: int = 0  # prefill forwards (one per chunk)
 
 
+def free_memory(device: torch.device | str) -> int | None:
+    """Bytes free for caches on `device` now: the system's MemAvailable on the CPU (Linux), the
+    device's free memory on CUDA; None where unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def fitting_context(model_max: int, slot_bytes: int, room: int, free: int | None, reserved: int = 0) -> int:
+    """The default context: `model_max`, or less where `CONTEXT_MEMORY_SHARE` of `free` bytes, less
+    `reserved` (the prefix store), cannot hold every row's slots (`slot_bytes` a slot over all rows,
+    `room` slots past the context) at full length; a multiple of CONTEXT_STEP, at least CONTEXT_FLOOR
+    (or model_max, if smaller)."""
+    floor = min(model_max, CONTEXT_FLOOR)
+    if free is None or slot_bytes <= 0:
+        return model_max
+    fits = int(free * CONTEXT_MEMORY_SHARE - reserved) // slot_bytes - room - 1
+    if fits >= model_max:
+        return model_max
+    return max(floor, fits // CONTEXT_STEP * CONTEXT_STEP)
+
+
 class BatchScheduler:
     """Continuous batching over one loaded target model (see the module docstring).
 
@@ -256,7 +290,6 @@ class BatchScheduler:
         self.k_max = max_speculative_tokens  # the largest per-request num_tokens accepted
         self.max_batch = max_batch
         self.max_queue = max_queue
-        self.max_model_len = min(max_model_len or cfg.max_position, cfg.max_position)
         self.spec_token_budget = spec_token_budget
         self.goodput = GoodputModel() if adaptive else None
         self.load_cap = LoadCap(spec_token_budget, max_speculative_tokens, self.goodput)
@@ -267,10 +300,7 @@ class BatchScheduler:
         # Room for the longest request plus the widest verify block written past its end.
         # A row drafting from a prediction may grow its chains to PREDICTION_K_MAX (or its own k).
         room = max([self.k_max, PREDICTION_K_MAX] + [shape.budget for shape in draft_trees.values()])
-        self.cache = self.engine.new_cache(max_batch, self.max_model_len + room + 1)
-        for loaded in drafters.values():  # model drafters: one cache for all rows, drafting batched
-            if loaded is not None and loaded.needs.batches:
-                loaded.reserve(max_batch, self.max_model_len + room + 1)
+        self.max_model_len = self._make_caches(max_model_len, room, prefix_cache_tokens)
         self._lock = threading.Condition()
         self._waiting: deque[_Sequence] = deque()  # guarded by _lock
         self._cancelled: set[int] = set()  # guarded by _lock
@@ -281,6 +311,26 @@ class BatchScheduler:
         self._ids = itertools.count(1)
         self._stopping = False
         self._thread: threading.Thread | None = None
+
+    def _make_caches(self, asked: int | None, room: int, prefix_cache_tokens: int) -> int:
+        """The target's cache and the model drafters' (one for all rows, drafting batched), sized for
+        the context `asked` or, if None, the one memory allows (`fitting_context`); returns it."""
+        batched = [d for d in self.drafters.values() if d is not None and d.needs.batches]
+        # What one slot of every row costs, from one-slot caches (drafters sharing a model share one).
+        caches = {id(c): c for c in (d.reserve(self.max_batch, 1) for d in batched) if c is not None}
+        slot_bytes = self.engine.new_cache(self.max_batch, 1).slot_bytes + sum(c.slot_bytes for c in caches.values())
+        model_max = self.model.config.max_position
+        fits = fitting_context(model_max, slot_bytes, room, free_memory(self.engine.device),
+                               prefix_cache_tokens * (slot_bytes // self.max_batch))
+        context = fits if asked is None else min(asked, model_max)
+        if context > fits:
+            log.warning("a context of %d tokens: %d full rows' KV caches would take %.1f GiB, more than %d%% of "
+                        "the memory free now; memory runs out if they all fill", context, self.max_batch,
+                        context * slot_bytes / 2**30, round(100 * CONTEXT_MEMORY_SHARE))
+        self.cache = self.engine.new_cache(self.max_batch, context + room + 1)
+        for loaded in batched:
+            loaded.reserve(self.max_batch, context + room + 1)
+        return context
 
     # -- the caller's side -----------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from specdec.errors import InvalidRequestError
 if TYPE_CHECKING:
     import torch
 
+    from specdec.models.kv_cache import KVCache
     from specdec.sampling import SamplingParams
     from specdec.verify import TokenTree
 
@@ -195,9 +196,10 @@ class BatchDrafter(Protocol):
         forward per draft position for a draft model)."""
         ...
 
-    def reserve(self, rows: int, length: int) -> None:
+    def reserve(self, rows: int, length: int) -> KVCache | None:
         """A server will run up to `rows` requests of up to `length` tokens side by side, each on
-        a `spawn()` of this drafter: it may give them one shared, batched cache."""
+        a `spawn()` of this drafter: it may give them one shared, batched cache, which it returns
+        (the server sizes its context by what caches take; drafters sharing a model share it)."""
         ...
 
 

@@ -14,8 +14,13 @@ so the combination is exactly as lossless as its parts.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from specdec.drafters.base import DrafterBase, DrafterNeeds, Proposal
 from specdec.verify import TokenTree
+
+if TYPE_CHECKING:
+    from specdec.models.kv_cache import KVCache
 
 LEARNED = "learned"  # Proposal.source of the learned drafter's guesses
 
@@ -39,8 +44,8 @@ class LookupFirstDrafter(DrafterBase):
     def draft_cost(self) -> float | None:
         return self.learned.draft_cost
 
-    def reserve(self, rows: int, length: int) -> None:
-        self.learned.reserve(rows, length)
+    def reserve(self, rows: int, length: int) -> KVCache | None:
+        return self.learned.reserve(rows, length)
 
     def spawn(self) -> "LookupFirstDrafter":
         return LookupFirstDrafter(self.lookup.spawn(), self.learned.spawn(), self.fallback_k)

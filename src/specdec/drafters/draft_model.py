@@ -301,12 +301,13 @@ class DraftModelDrafter(DrafterBase):
         twin._sampling = SamplingParams()
         return twin
 
-    def reserve(self, rows: int, length: int) -> None:
+    def reserve(self, rows: int, length: int) -> KVCache:
         """Rows spawned from here from now on share one KV cache of `rows` rows x `length` slots,
         so that the rows of a batch draft in one forward per draft position (`propose_batch`)."""
         pool = self._pool
         if pool is None or pool.cache.batch < rows or pool.cache.capacity < length:
-            self._pool = DraftPool(self.model.new_cache(rows, length, dtype=self.kv_dtype))
+            self._pool = pool = DraftPool(self.model.new_cache(rows, length, dtype=self.kv_dtype))
+        return pool.cache
 
     def batch_member(self) -> "DraftModelDrafter":
         return self

@@ -310,13 +310,15 @@ class EagleDrafter(DrafterBase):
         twin._pool = self._pool
         return twin
 
-    def reserve(self, rows: int, length: int) -> None:
+    def reserve(self, rows: int, length: int) -> KVCache:
         """Rows spawned from here on share one head cache of `rows` rows x `length` slots, so that
         the rows of a batch draft in one head pass per draft position (`propose_batch`)."""
         pool = self._pool
         if pool is None or pool.cache.batch < rows or pool.cache.capacity < length:
             attn, weight = self.model.head.block.self_attn, self.model.head.fc.weight
-            self._pool = DraftPool(KVCache(1, rows, attn.kv_heads, attn.head_dim, length, weight.dtype, weight.device))
+            self._pool = pool = DraftPool(KVCache(1, rows, attn.kv_heads, attn.head_dim, length, weight.dtype,
+                                                  weight.device))
+        return pool.cache
 
     def batch_member(self) -> "EagleDrafter":
         return self

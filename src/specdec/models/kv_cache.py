@@ -19,10 +19,16 @@ positions and every layer keeps every slot, a copied prefix of n tokens is exact
 prefill of those n tokens leaves, sliding-window layers included.
 
 Only the engine decides what to keep; the model only writes and reads.
+
+On the CPU the big tables are anonymous memory the system commits page by page as slots are
+written (`lazy_zeros`), so a server's cache sized for the model's whole context costs memory only
+for the tokens its rows hold.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +51,20 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype, device: torch.devi
         on_cpu = torch.device(device).type == "cpu"
         return torch.float16 if on_cpu and model_dtype == torch.float32 else model_dtype
     return {"float32": torch.float32, "float16": torch.float16}[kv_dtype]
+
+
+# Below this size a table is plain `torch.zeros` (a mapping of its own would only waste a page).
+LAZY_BYTES = 1 << 20
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """A zero tensor of `shape`; on the CPU and from LAZY_BYTES on, in an anonymous mapping of its
+    own, whose pages read as zero and take memory only once written (`torch.zeros` writes, so
+    commits, every byte at once). The tensor holds the mapping; the mapping goes with it."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes < LAZY_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -72,15 +92,21 @@ class KVCache:
         device: torch.device | str,
     ):
         shape = (batch, kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # [batch, capacity]
+        self.keys = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.values = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.positions = lazy_zeros((batch, capacity), torch.long, device)  # [batch, capacity]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [batch]
         self.capacity = capacity
 
     @property
     def batch(self) -> int:
         return self.lengths.shape[0]
+
+    @property
+    def slot_bytes(self) -> int:
+        """What one slot of every row takes once written: keys, values and positions."""
+        tables = self.keys + self.values + [self.positions]
+        return sum(t.numel() * t.element_size() for t in tables) // self.capacity
 
     def length(self, row: int = 0) -> int:
         return int(self.lengths[row])
@@ -96,10 +122,12 @@ class KVCache:
         """Store one layer's new keys and values.
 
         key, value: [batch, kv_heads, T, head_dim]; slots: [batch, T] slot indices to write.
+        An indexed assignment touches the written slots only (`scatter_` on the CPU walks, and so
+        commits, the whole table at every call).
         """
-        index = slots[:, None, :, None].expand_as(key)
-        self.keys[layer].scatter_(2, index, key.to(self.keys[layer].dtype))
-        self.values[layer].scatter_(2, index, value.to(self.values[layer].dtype))
+        rows = torch.arange(slots.shape[0], device=slots.device)[:, None]  # [batch, 1]
+        self.keys[layer][rows, :, slots] = key.transpose(1, 2).to(self.keys[layer].dtype)  # [batch, T, kv_heads, hd]
+        self.values[layer][rows, :, slots] = value.transpose(1, 2).to(self.values[layer].dtype)
 
     def truncate(self, length: int | Tensor, row: int | None = None) -> None:
         """Roll back to `length` tokens (for one row, or every row when `row` is None)."""

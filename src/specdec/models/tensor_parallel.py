@@ -277,6 +277,12 @@ class ParallelCache:
     def batch(self) -> int:
         return self.local.batch
 
+    @property
+    def slot_bytes(self) -> int:
+        """A slot of every row on rank 0's device; ranks on the CPU share its memory: all of theirs."""
+        ranks = self._target.world if self.local.positions.device.type == "cpu" else 1
+        return self.local.slot_bytes * ranks
+
     def length(self, row: int = 0) -> int:
         return self.local.length(row)
 

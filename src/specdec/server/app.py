@@ -146,7 +146,7 @@ def create_app(settings: ServerSettings, load: Load = load_model,
     # The docs and the schema are routes of their own (`routes.py`), behind the key.
     app = FastAPI(title="specdec", lifespan=startup.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.specdec = state
-    app.add_middleware(BodyLimit, limit=state.body_limit)
+    app.add_middleware(BodyLimit, limit=lambda: state.body_limit)  # sized once the context is known
     app.add_middleware(_Gate, state=state)
     app.add_middleware(AccessLog, totals=state.totals)  # outermost: every answer gets its line
     add_error_handlers(app)

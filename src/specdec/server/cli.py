@@ -70,7 +70,8 @@ def run(args) -> int:
         server.should_exit = True
 
     def on_ready() -> None:  # the loading thread
-        print(f"specdec: ready: serving {settings.served_model_name!r} on {url}", file=sys.stderr, flush=True)
+        print(f"specdec: ready: serving {settings.served_model_name!r} on {url} (context {state.context:,} tokens a "
+              f"request, {settings.max_batch} at once)", file=sys.stderr, flush=True)
 
     _log_to_stderr()
     app = create_app(settings, on_load_error=on_load_error, on_ready=on_ready)

@@ -35,7 +35,7 @@ class ServerSettings:
     draft_length: str | None = None  # each row's draft-length rule, as generate's (None: cost-aware)
     max_batch: int = 16
     max_queue: int = 64
-    max_model_len: int = 2048
+    max_model_len: int | None = None  # None: the model's context, within memory (`scheduler.fitting_context`)
     spec_token_budget: int = 32
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per step while others run; 0 = whole prompts
     prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS  # cached tokens kept for reuse; 0 = off
@@ -102,8 +102,10 @@ def _serving_arguments(parser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together (KV cache rows)")
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row; more get 429")
-    parser.add_argument("--max-model-len", type=int, default=2048,
-                        help="prompt + generated tokens per request (sizes the preallocated KV cache)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="prompt + generated tokens per request (default: the model's own context, cut "
+                             "where every row's KV caches at full length would pass half of the memory free "
+                             "at start; the ready line says it). The caches take memory as rows fill.")
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                         help="prompt tokens prefilled per step while other requests are decoding, so a long prompt "
                              "delays them by one chunk per step; 0 = each prompt in one forward")
@@ -179,7 +181,7 @@ def _ray_arguments(ray) -> None:
 
 def settings_from_args(args) -> ServerSettings:
     for name in ("num_speculative_tokens", "max_batch", "max_model_len", "spec_token_budget"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 1", name)
     if args.draft_vocab is not None and args.draft_vocab < 0:
         raise InvalidRequestError(f"--draft-vocab must be >= 0 (0 = all ids), got {args.draft_vocab}", "draft_vocab")

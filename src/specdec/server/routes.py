@@ -82,8 +82,7 @@ async def models(request: Request):
     state = state_of(request)
     state.check_key(request)
     scheduler, settings = state.scheduler, state.settings
-    listing = R.model_list(settings.served_model_name, state.created,
-                           scheduler.max_model_len if scheduler else settings.max_model_len)
+    listing = R.model_list(settings.served_model_name, state.created, state.context)
     listing["data"][0].update(model_extension(scheduler, state.tokenizer))
     return listing
 

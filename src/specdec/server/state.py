@@ -18,7 +18,7 @@ from starlette.requests import Request
 
 from ..request import Delta
 from ..request import Request as GenRequest
-from ..scheduler import BatchScheduler
+from ..scheduler import CONTEXT_FLOOR, BatchScheduler
 from ..tokenizer import Tokenizer
 from .http_errors import APIError
 from .metrics import ServerMetrics
@@ -51,8 +51,16 @@ class ServerState:
         return state
 
     @property
+    def context(self) -> int:
+        """Tokens a request may hold, prompt and output: the scheduler's once loaded (where no
+        --max-model-len was given it sizes the context itself), else what was asked or the floor."""
+        if self.scheduler is not None:
+            return self.scheduler.max_model_len
+        return self.settings.max_model_len or CONTEXT_FLOOR
+
+    @property
     def body_limit(self) -> int:
-        return self.settings.max_body_bytes or default_body_limit(self.settings.max_model_len)
+        return self.settings.max_body_bytes or default_body_limit(self.context)
 
     def serve(self, tokenizer: Tokenizer | None, scheduler: BatchScheduler) -> None:
         """The model is loaded (the loading thread): requests are served from now on."""

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 log = logging.getLogger("specdec.server")
 BODY_BYTES_PER_TOKEN = 64  # room for JSON escapes and token-id lists: a prompt token is rarely > 16 bytes
@@ -66,17 +67,18 @@ async def _send_json(send, status: int, payload: dict, close: bool = True) -> No
 
 
 class BodyLimit:
-    """ASGI middleware: request bodies of at most `limit` bytes (413 otherwise, see the module doc)."""
+    """ASGI middleware: request bodies of at most `limit()` bytes (413 otherwise, see the module doc)."""
 
-    def __init__(self, app, limit: int):
+    def __init__(self, app, limit: Callable[[], int]):
         self.app, self.limit = app, limit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.limit()
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.strip().isdigit() and int(length) > self.limit:
-            return await _send_json(send, 413, too_large_body(self.limit))
+        if length is not None and length.strip().isdigit() and int(length) > limit:
+            return await _send_json(send, 413, too_large_body(limit))
         seen = 0
 
         async def limited():
@@ -84,8 +86,8 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise BodyTooLarge(self.limit)
+                if seen > limit:
+                    raise BodyTooLarge(limit)
             return message
 
         await self.app(scope, limited, send)
