@@ -2014,14 +2014,21 @@ at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Ten
     const T* vbase = vs + bi * cache_v.stride(0) + kv * cache_v.stride(1);
     const bool* block_vis = vis + bi * t * span;
     const int64_t nq = (r1 - r0) * group;
-    // The slots any of the rows sees, in order.
+    // The slots any of the rows sees, in order. Mostly every row sees the whole chunk (all but the
+    // last chunks of a causal block): then no slot needs a look of its own, here or below.
+    bool all_seen = true;
+    for (int64_t r = r0; r < r1 && all_seen; ++r)
+      all_seen = std::memchr(block_vis + r * span + s0, 0, s1 - s0) == nullptr;
     int64_t n = 0;
-    for (int64_t s = s0; s < s1; ++s)
-      for (int64_t r = r0; r < r1; ++r)
-        if (block_vis[r * span + s]) {
-          seen[n++] = s;
-          break;
-        }
+    if (all_seen)
+      for (int64_t s = s0; s < s1; ++s) seen[n++] = s;
+    else
+      for (int64_t s = s0; s < s1; ++s)
+        for (int64_t r = r0; r < r1; ++r)
+          if (block_vis[r * span + s]) {
+            seen[n++] = s;
+            break;
+          }
     if (n == 0) {  // none of the rows sees this chunk (a causal prefill's later chunks): the merge skips it
       for (int64_t i = 0; i < nq; ++i) {
         pm[part(i)] = -INFINITY;
@@ -2049,28 +2056,36 @@ at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Ten
         for (int64_t h = 0; h < 4 && i + h < nq; ++h) scores[(i + h) * kChunk + j] = tile[h];
       }
     }
-    // Each query's softmax over the slots its row sees; the others get probability 0.
-    for (int64_t i = 0; i < nq; ++i) {
-      const bool* row_vis = block_vis + (r0 + i / group) * span;
-      float* sg = scores.data() + i * kChunk;
-      float* pg = probs.data() + i * kChunk;
-      float m = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
-        sg[j] *= sc;
-        if (row_vis[seen[j]]) m = std::max(m, sg[j]);
+    // Each query's softmax over the slots its row sees; the others get probability 0. Each query's
+    // max and sum run over its slots in order; the queries' chains advance side by side, slot by
+    // slot, so that they overlap (one chain alone waits out each addition's latency).
+    static thread_local std::vector<float> ms, ls;
+    ms.assign(nq, -INFINITY);
+    ls.assign(nq, 0.0f);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = 0; i < nq; ++i) {
+        float& x = scores[i * kChunk + j];
+        x *= sc;
+        if (all_seen || block_vis[(r0 + i / group) * span + seen[j]]) ms[i] = std::max(ms[i], x);
       }
-      float l = 0.0f;
-      if (m != -INFINITY) {
-        exp_shifted(sg, m, n, pg);
-        for (int64_t j = 0; j < n; ++j) {
-          if (!row_vis[seen[j]]) pg[j] = 0.0f;
-          l += pg[j];
+    for (int64_t i = 0; i < nq; ++i) {
+      float* pg = probs.data() + i * kChunk;
+      if (ms[i] != -INFINITY) {
+        exp_shifted(scores.data() + i * kChunk, ms[i], n, pg);
+        if (!all_seen) {
+          const bool* row_vis = block_vis + (r0 + i / group) * span;
+          for (int64_t j = 0; j < n; ++j)
+            if (!row_vis[seen[j]]) pg[j] = 0.0f;
         }
       } else {
         std::fill(pg, pg + n, 0.0f);  // the row sees nothing here: m = -inf, l = 0, acc = 0
       }
-      pm[part(i)] = m;
-      pl[part(i)] = l;
+    }
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = 0; i < nq; ++i) ls[i] += probs[i * kChunk + j];
+    for (int64_t i = 0; i < nq; ++i) {
+      pm[part(i)] = ms[i];
+      pl[part(i)] = ls[i];
     }
     // The exp-weighted values, four queries (then two, then one) per pass over the value rows.
     const float* p4[4];
