@@ -52,6 +52,7 @@ def test_fitting_context():
     assert fitting_context(32768, 100, 9, 10**5) == S.CONTEXT_FLOOR  # never below the floor
     assert fitting_context(1000, 100, 9, 10**5) == 1000  # nor above the model's own
     assert fitting_context(32768, 100, 9, None) == 32768  # free memory unknown
+    assert fitting_context(32768, 100, 9, 4 * 10**6, share=0.25) == 9 * 1024  # one of two replicas
 
 
 def test_a_scheduler_sizes_its_context_from_the_model_and_the_memory(monkeypatch, caplog):

@@ -174,4 +174,6 @@ def test_replica_bounds_become_ray_serve_options():
     # `serve run specdec.server.ray_app:build name=value ...` parses `specdec serve`'s options.
     app = build({"replicas": "2", "drafter": "suffix", "session-affinity": "true", "max-batch": "4"})
     assert app._bound_deployment._deployment_config.num_replicas == 2
+    # Each replica sizes its default context for its part of the free memory (they may share a node).
+    assert app._bound_deployment.init_args[0].memory_share == ServerSettings().memory_share / 2
     assert build({"session-affinity": "false"})._bound_deployment._deployment_config.num_replicas == 1

@@ -217,15 +217,16 @@ def free_memory(device: torch.device | str) -> int | None:
         return None
 
 
-def fitting_context(model_max: int, slot_bytes: int, room: int, free: int | None, reserved: int = 0) -> int:
-    """The default context: `model_max`, or less where `CONTEXT_MEMORY_SHARE` of `free` bytes, less
+def fitting_context(model_max: int, slot_bytes: int, room: int, free: int | None, reserved: int = 0,
+                    share: float = CONTEXT_MEMORY_SHARE) -> int:
+    """The default context: `model_max`, or less where `share` of `free` bytes, less
     `reserved` (the prefix store), cannot hold every row's slots (`slot_bytes` a slot over all rows,
     `room` slots past the context) at full length; a multiple of CONTEXT_STEP, at least CONTEXT_FLOOR
     (or model_max, if smaller)."""
     floor = min(model_max, CONTEXT_FLOOR)
     if free is None or slot_bytes <= 0:
         return model_max
-    fits = int(free * CONTEXT_MEMORY_SHARE - reserved) // slot_bytes - room - 1
+    fits = int(free * share - reserved) // slot_bytes - room - 1
     if fits >= model_max:
         return model_max
     return max(floor, fits // CONTEXT_STEP * CONTEXT_STEP)
@@ -260,6 +261,7 @@ class BatchScheduler:
         on_finish: Callable[[Request, Delta], None] | None = None,
         kv_dtype: str = "auto",
         draft_length: str | None = None,
+        memory_share: float = CONTEXT_MEMORY_SHARE,
     ):
         drafters = dict(drafters) if drafters is not None else serving_drafters()[0]
         if drafter not in drafters:
@@ -276,7 +278,6 @@ class BatchScheduler:
                                  ("prefill_chunk", prefill_chunk, 0), ("prefix_cache_tokens", prefix_cache_tokens, 0)):
             if not isinstance(value, int) or value < low:
                 raise InvalidRequestError(f"{name} must be an integer >= {low}, got {value!r}", name)
-        cfg = model.config
         self.model = model
         self.tokenizer = tokenizer
         # The decoding core. Each row sizes its drafts by the rule `generate` uses (`draft_length`,
@@ -300,7 +301,7 @@ class BatchScheduler:
         # Room for the longest request plus the widest verify block written past its end.
         # A row drafting from a prediction may grow its chains to PREDICTION_K_MAX (or its own k).
         room = max([self.k_max, PREDICTION_K_MAX] + [shape.budget for shape in draft_trees.values()])
-        self.max_model_len = self._make_caches(max_model_len, room, prefix_cache_tokens)
+        self.max_model_len = self._make_caches(max_model_len, room, prefix_cache_tokens, memory_share)
         self._lock = threading.Condition()
         self._waiting: deque[_Sequence] = deque()  # guarded by _lock
         self._cancelled: set[int] = set()  # guarded by _lock
@@ -312,21 +313,22 @@ class BatchScheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
 
-    def _make_caches(self, asked: int | None, room: int, prefix_cache_tokens: int) -> int:
+    def _make_caches(self, asked: int | None, room: int, prefix_cache_tokens: int, share: float) -> int:
         """The target's cache and the model drafters' (one for all rows, drafting batched), sized for
-        the context `asked` or, if None, the one memory allows (`fitting_context`); returns it."""
+        the context `asked` or, if None, the one `share` of the free memory allows (`fitting_context`);
+        returns it."""
         batched = [d for d in self.drafters.values() if d is not None and d.needs.batches]
         # What one slot of every row costs, from one-slot caches (drafters sharing a model share one).
         caches = {id(c): c for c in (d.reserve(self.max_batch, 1) for d in batched) if c is not None}
         slot_bytes = self.engine.new_cache(self.max_batch, 1).slot_bytes + sum(c.slot_bytes for c in caches.values())
         model_max = self.model.config.max_position
         fits = fitting_context(model_max, slot_bytes, room, free_memory(self.engine.device),
-                               prefix_cache_tokens * (slot_bytes // self.max_batch))
+                               prefix_cache_tokens * (slot_bytes // self.max_batch), share)
         context = fits if asked is None else min(asked, model_max)
         if context > fits:
             log.warning("a context of %d tokens: %d full rows' KV caches would take %.1f GiB, more than %d%% of "
                         "the memory free now; memory runs out if they all fill", context, self.max_batch,
-                        context * slot_bytes / 2**30, round(100 * CONTEXT_MEMORY_SHARE))
+                        context * slot_bytes / 2**30, round(100 * share))
         self.cache = self.engine.new_cache(self.max_batch, context + room + 1)
         for loaded in batched:
             loaded.reserve(self.max_batch, context + room + 1)

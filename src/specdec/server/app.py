@@ -94,7 +94,7 @@ def build_scheduler(settings: ServerSettings, model: Transformer, tokenizer: Tok
         prefix_cache_tokens=settings.prefix_cache_tokens,
         max_speculative_tokens=max(16, settings.num_speculative_tokens),
         adaptive=settings.speculation_control == "goodput", on_finish=on_finish,
-        kv_dtype=settings.kv_dtype, draft_length=settings.draft_length)
+        kv_dtype=settings.kv_dtype, draft_length=settings.draft_length, memory_share=settings.memory_share)
 
 
 class Startup:

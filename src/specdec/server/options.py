@@ -16,7 +16,7 @@ from ..drafters.base import TreeShape
 from ..builder import check_tree_drafter, pair_draft_vocab, resolve_drafter
 from ..errors import InvalidRequestError, SpecdecError
 from ..policy import DRAFT_LENGTHS
-from ..scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_TOKENS
+from ..scheduler import CONTEXT_MEMORY_SHARE, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_TOKENS
 from ..settings import DEFAULT_NUM_SPECULATIVE_TOKENS
 from .tenants import KeyRing
 
@@ -36,6 +36,7 @@ class ServerSettings:
     max_batch: int = 16
     max_queue: int = 64
     max_model_len: int | None = None  # None: the model's context, within memory (`scheduler.fitting_context`)
+    memory_share: float = CONTEXT_MEMORY_SHARE  # of the memory free at start, for that default (a replica's part)
     spec_token_budget: int = 32
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per step while others run; 0 = whole prompts
     prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS  # cached tokens kept for reuse; 0 = off

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -213,9 +214,13 @@ def deployment_options(replicas: int, min_replicas: int | None = None, max_repli
 def application(settings: ServerSettings, replicas: int = 1, min_replicas: int | None = None,
                 max_replicas: int | None = None, target_ongoing_requests: float | None = None,
                 session_affinity: bool = False, replica_cpus: float = 1.0, log_level: str = "INFO"):
-    """The Ray Serve application: the replicas of `settings`, and the metrics hub they push to."""
+    """The Ray Serve application: the replicas of `settings`, and the metrics hub they push to.
+    Each replica sizes its default context for its part of the memory (replicas may share a node,
+    and their caches take memory only as they fill, so each alone would see it all free)."""
     options = deployment_options(replicas, min_replicas, max_replicas, target_ongoing_requests, session_affinity,
                                  replica_cpus, settings, log_level)
+    most = replicas if max_replicas is None else max_replicas
+    settings = dataclasses.replace(settings, memory_share=settings.memory_share / max(1, most))
     return SpecdecServer.options(**options).bind(settings, SpecdecMetricsHub.bind())
 
 
