@@ -384,7 +384,7 @@ class DraftModelDrafter(DrafterBase):
         if self._cache is None or not context:
             return 0
         view = self._view(context)
-        missing = len(view) - 1 - common_prefix_length(self._tokens, view)
+        missing = len(view) - 1 - reusable_prefix(self._tokens, view)
         return missing if missing > _BATCHED_CATCH_UP else 0
 
     @torch.inference_mode()
@@ -506,9 +506,8 @@ class DraftModelDrafter(DrafterBase):
         return self._forward(list(context[keep:]), keep)
 
     def _rewind(self, context: Sequence[int]) -> int:
-        """Keep the cache's common prefix with `context`, but at most len(context) - 1 tokens (the
-        last one is forwarded for the next logits); return how many it keeps."""
-        keep = min(common_prefix_length(self._tokens, context), len(context) - 1)
+        """Keep what the cache holds of `context` (`reusable_prefix`); return how many tokens."""
+        keep = reusable_prefix(self._tokens, context)
         self._cache.truncate(keep)
         del self._tokens[keep:]
         return keep
@@ -569,10 +568,16 @@ class DraftModelDrafter(DrafterBase):
 MIN_KEPT_TOKENS = 16  # a shorter common prefix with a kept row is not worth taking it for
 
 
+def reusable_prefix(held: Sequence[int], context: Sequence[int]) -> int:
+    """How many of the ids a draft cache holds (`held`) a read of `context` keeps: their common
+    prefix, but never `context`'s last id, which is forwarded again for the scores after it."""
+    return min(common_prefix_length(held, context), len(context) - 1)
+
+
 def kept_prefix(held: list[int], view: list[int]) -> list[int]:
-    """The ids of `held` that a request reading `view` can keep: their common prefix, but never
-    `view`'s last id (a proposal forwards it for its first scores); [] below MIN_KEPT_TOKENS."""
-    n = min(common_prefix_length(held, view), len(view) - 1)
+    """The ids of `held` that a request reading `view` can keep (`reusable_prefix`); [] below
+    MIN_KEPT_TOKENS."""
+    n = reusable_prefix(held, view)
     return list(held[:n]) if n >= MIN_KEPT_TOKENS else []
 
 
@@ -684,13 +689,10 @@ def propose_batch(drafters: list[DraftModelDrafter], contexts: list[list[int]], 
     for i, (d, context) in enumerate(zip(drafters, contexts)):
         if ks[i] <= 0 or not context:
             continue
-        keep = min(common_prefix_length(d._tokens, context), len(context) - 1)
-        if len(context) - keep > _BATCHED_CATCH_UP:
+        if len(context) - reusable_prefix(d._tokens, context) > _BATCHED_CATCH_UP:
             logits[i] = d._sync(context)
             continue
-        d._cache.truncate(keep)
-        del d._tokens[keep:]
-        news[i] = list(context[keep:])
+        news[i] = list(context[d._rewind(context):])
     if news:
         logits.update(forward(news))
     for i in logits:
