@@ -61,7 +61,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     """A zero tensor of `shape`; on the CPU and from LAZY_BYTES on, in an anonymous mapping of its
     own, whose pages read as zero and take memory only once written (`torch.zeros` writes, so
     commits, every byte at once). The tensor holds the mapping; the mapping goes with it."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < LAZY_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
