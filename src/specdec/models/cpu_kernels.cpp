@@ -29,6 +29,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -1832,41 +1833,49 @@ constexpr int64_t kRowsPerItem = 4;
 // (for 2,048 rows of Gemma 3 270M they were 270 MB a layer through memory).
 constexpr int64_t kRowGroupsApart = 16;
 
-// The dot products of 4 query vectors with one key row over d inputs. Each dot runs two 8-lane
-// chains of fused multiply-adds, one over the even 8-input blocks (0-7, 16-23, ...), one over the odd
-// ones, over the first d - d % 8 inputs; the chains add lane by lane, the lanes then add as
-// ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), and the last d % 8 inputs follow one product and one add
-// at a time. out[h] = q[h] . k. Every dot takes the same operations in the same order whatever the
-// other three are, so a score never depends on which queries share the call. The key row is read
-// once, front to back, for the four: its 64-byte lines stream in order, which keeps a cold key
-// cache (one layer's keys are evicted by the weights that stream between two of its passes) at
-// the memory's speed. Two key rows a call, read interleaved, ran faster from the cache and slower
-// from memory (docs/archive/BENCHMARKS-history.md).
-template <typename KT>
-inline void scores_4x1(const float* const* q, const KT* k, int64_t d, float* out) {
+// The dot products of N query vectors (N = 4 or 6) with one key row over d inputs. Each dot runs
+// two 8-lane chains of fused multiply-adds, one over the even 8-input blocks (0-7, 16-23, ...), one
+// over the odd ones, over the first d - d % 8 inputs; the chains add lane by lane, the lanes then
+// add as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), and the last d % 8 inputs follow one product
+// and one add at a time. out[h] = q[h] . k. Every dot takes the same operations in the same order
+// whatever the others are, so a score never depends on which queries share the call. Six dots keep
+// 12 chains in flight, more than the two FMA units' latency needs (8 of them); four only just did.
+// The key row is read once, front to back, for all of them: its 64-byte lines stream in order,
+// which keeps a cold key cache (one layer's keys are evicted by the weights that stream between
+// two of its passes) at the memory's speed. Two key rows a call, read interleaved, ran faster from
+// the cache and slower from memory (docs/archive/BENCHMARKS-history.md).
+template <int N, typename KT>
+inline void scores_tile(const float* const* q, const KT* k, int64_t d, float* out) {
+  static_assert(N == 4 || N == 6, "scores_tile: 4 or 6 queries");
   const int64_t d8 = d - d % 8, d16 = d - d % 16;
 #if defined(__AVX2__)
-  __m256 even[4], odd[4];
-  for (int h = 0; h < 4; ++h) even[h] = odd[h] = _mm256_setzero_ps();
+  __m256 even[N], odd[N];
+  for (int h = 0; h < N; ++h) even[h] = odd[h] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d16; i += 16) {
     const __m256 x0 = cache_load8(k + i), x1 = cache_load8(k + i + 8);
-    for (int h = 0; h < 4; ++h) {
+    for (int h = 0; h < N; ++h) {
       even[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + i), x0, even[h]);
       odd[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + i + 8), x1, odd[h]);
     }
   }
   if (d8 > d16) {
     const __m256 x0 = cache_load8(k + d16);
-    for (int h = 0; h < 4; ++h) even[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + d16), x0, even[h]);
+    for (int h = 0; h < N; ++h) even[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + d16), x0, even[h]);
   }
-  __m256 c[4];
-  for (int h = 0; h < 4; ++h) c[h] = _mm256_add_ps(even[h], odd[h]);
+  __m256 c[N];
+  for (int h = 0; h < N; ++h) c[h] = _mm256_add_ps(even[h], odd[h]);
   // hadd adds neighbouring lanes within each 128-bit half: after two rounds lane h of the low half
-  // holds (0 + 1) + (2 + 3) of dot h, of the high half (4 + 5) + (6 + 7); the halves then add.
+  // holds (0 + 1) + (2 + 3) of dot h, of the high half (4 + 5) + (6 + 7); the halves then add. Dots
+  // 4 and 5 take the same two rounds (the second pairing their sums with themselves).
   const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(c[0], c[1]), _mm256_hadd_ps(c[2], c[3]));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+  if constexpr (N == 6) {
+    const __m256 w = _mm256_hadd_ps(c[4], c[5]);
+    const __m256 x = _mm256_hadd_ps(w, w);
+    _mm_storel_pi(reinterpret_cast<__m64*>(out + 4), _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)));
+  }
 #else
-  for (int h = 0; h < 4; ++h) {
+  for (int h = 0; h < N; ++h) {
     float even[8] = {0, 0, 0, 0, 0, 0, 0, 0}, odd[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t i = 0; i < d8; i += 8)
       for (int l = 0; l < 8; ++l) {
@@ -1878,19 +1887,19 @@ inline void scores_4x1(const float* const* q, const KT* k, int64_t d, float* out
     out[h] = ((c[0] + c[1]) + (c[2] + c[3])) + ((c[4] + c[5]) + (c[6] + c[7]));
   }
 #endif
-  for (int h = 0; h < 4; ++h)
+  for (int h = 0; h < N; ++h)
     for (int64_t i = d8; i < d; ++i) out[h] += q[h][i] * cache_load(k + i);
 }
 
-// exp(x[j] - m) for j < n into out (n rounded up to 8 may be written), by `exp_lanes` /
-// `exp_lane`. Inputs here are <= 0.
-inline void exp_shifted(const float* x, float m, int64_t n, float* out) {
-  int64_t j = 0;
+// out[i] = exp(x[i] - m[i]) for i < n (n rounded up to 8 may be written), by `exp_lanes` /
+// `exp_lane`: one slot's scores of n queries, each shifted by its own query's max.
+inline void exp_shifted(const float* x, const float* m, int64_t n, float* out) {
+  int64_t i = 0;
 #if defined(__AVX2__)
-  const __m256 mv = _mm256_set1_ps(m);
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(x + j), mv)));
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(m + i))));
 #endif
-  for (; j < n; ++j) out[j] = exp_lane(x[j] - m);
+  for (; i < n; ++i) out[i] = exp_lane(x[i] - m[i]);
 }
 
 // acc[0..d) += p * v[0..d), elementwise in one fused multiply-add each; v a float row or a
@@ -1906,14 +1915,16 @@ inline void axpy(float p, const VT* v, float* acc, int64_t d) {
 }
 
 // For H heads that read the same value rows (rows `stride` apart): acc[h][0..d) = sum over the n
-// slots, in order, of p[h][j] * v_j, each element by fused multiply-adds from zero: what n calls of
-// `axpy` give, with the sums kept in registers 16 elements of H heads at a time. So each value row
-// is read once for the H heads, not once per head: a chunk's values (128 KB for Gemma 3) do not fit
-// in the first-level cache, and reading them once per head was the larger part of a verify row's
-// attention. The block width changes no element's sequence of operations, so no bit.
+// slots, in order, of p[j * p_stride + h] * v_j (slot j's probabilities lie side by side, one per
+// head), each element by fused multiply-adds from zero: what n calls of `axpy` give, with the sums
+// kept in registers 16 elements of H heads at a time. So each value row is read once for the H
+// heads, not once per head: a chunk's values (128 KB for Gemma 3) do not fit in the first-level
+// cache, and reading them once per head was the larger part of a verify row's attention. Six heads
+// keep 12 chains in flight where the FMA units' latency needs 8. The block width changes no
+// element's sequence of operations, so no bit.
 template <int H, typename VT>
-inline void weighted_sum_heads(const float* const* p, const int64_t* slots, int64_t n, const VT* v, int64_t stride,
-                               float* const* acc, int64_t d) {
+inline void weighted_sum_heads(const float* p, int64_t p_stride, const int64_t* slots, int64_t n, const VT* v,
+                               int64_t stride, float* const* acc, int64_t d) {
   int64_t i = 0;
 #if defined(__AVX2__)
   for (; i + 16 <= d; i += 16) {
@@ -1922,8 +1933,9 @@ inline void weighted_sum_heads(const float* const* p, const int64_t* slots, int6
     for (int64_t j = 0; j < n; ++j) {
       const VT* row = v + slots[j] * stride + i;
       const __m256 v0 = cache_load8(row), v1 = cache_load8(row + 8);
+      const float* pj = p + j * p_stride;
       for (int h = 0; h < H; ++h) {
-        const __m256 pv = _mm256_broadcast_ss(p[h] + j);
+        const __m256 pv = _mm256_broadcast_ss(pj + h);
         sum[h][0] = _mm256_fmadd_ps(pv, v0, sum[h][0]);
         sum[h][1] = _mm256_fmadd_ps(pv, v1, sum[h][1]);
       }
@@ -1937,7 +1949,7 @@ inline void weighted_sum_heads(const float* const* p, const int64_t* slots, int6
   if (i < d)
     for (int h = 0; h < H; ++h) {
       std::fill(acc[h] + i, acc[h] + d, 0.0f);
-      for (int64_t j = 0; j < n; ++j) axpy(p[h][j], v + slots[j] * stride + i, acc[h] + i, d - i);
+      for (int64_t j = 0; j < n; ++j) axpy(p[j * p_stride + h], v + slots[j] * stride + i, acc[h] + i, d - i);
     }
 }
 
@@ -2001,19 +2013,25 @@ at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Ten
   // pm, pl and pacc (pacc in d-float entries).
   auto score_chunk = [&](int64_t bi, int64_t kv, int64_t c, int64_t r0, int64_t r1, float* pm, float* pl, float* pacc,
                          auto part) {
+    // The scores and probabilities are tables of one line per slot, the item's queries side by side
+    // in a line `width` floats wide (a multiple of 8: the softmax runs 8 queries a vector, and a
+    // score tile writes up to 3 past the last query).
     const int64_t most = kRowsPerItem * group;  // query vectors an item scores
-    static thread_local std::vector<float> scores, probs;
+    static thread_local std::vector<float> scores, probs, ms, ls;
     static thread_local std::vector<int64_t> seen;
     static thread_local std::vector<const float*> qv;
-    scores.resize(std::max<size_t>(scores.size(), most * kChunk));
-    probs.resize(std::max<size_t>(probs.size(), most * kChunk));
+    const size_t line = (most + 3 + 7) / 8 * 8;
+    scores.resize(std::max(scores.size(), kChunk * line));
+    probs.resize(std::max(probs.size(), kChunk * line));
+    ms.resize(std::max(ms.size(), line));
+    ls.resize(std::max(ls.size(), line));
     seen.resize(kChunk);
-    qv.resize(std::max<size_t>(qv.size(), most + 3));
+    qv.resize(std::max<size_t>(qv.size(), most + 5));
     const int64_t s0 = (first + c) * kChunk, s1 = std::min(span, s0 + kChunk);
     const T* kbase = ks + bi * cache_k.stride(0) + kv * cache_k.stride(1);
     const T* vbase = vs + bi * cache_v.stride(0) + kv * cache_v.stride(1);
     const bool* block_vis = vis + bi * t * span;
-    const int64_t nq = (r1 - r0) * group;
+    const int64_t nq = (r1 - r0) * group, width = (nq + 3 + 7) / 8 * 8;
     // The slots any of the rows sees, in order. Mostly every row sees the whole chunk (all but the
     // last chunks of a causal block): then no slot needs a look of its own, here or below.
     bool all_seen = true;
@@ -2036,13 +2054,12 @@ at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Ten
       }
       return;
     }
-    // Query vector i = (row r0 + i / group, head kv * group + i % group); padded to a multiple
-    // of 4 by repeating the last (their scores are not kept).
+    // Query vector i = (row r0 + i / group, head kv * group + i % group); padded by repeating the
+    // last, for the last tile (the pads' scores are not read).
     for (int64_t i = 0; i < nq; ++i)
       qv[i] = qs + ((bi * heads + kv * group + i % group) * t + r0 + i / group) * d;
-    for (int64_t i = nq; i < nq + 3; ++i) qv[i] = qv[nq - 1];
-    // Scores, one slot at a time for up to four queries.
-    float tile[4];
+    for (int64_t i = nq; i < nq + 5; ++i) qv[i] = qv[nq - 1];
+    // Scores, one slot at a time for six queries (the last tile six or four).
     for (int64_t j = 0; j < n; ++j) {
       const T* krow = kbase + seen[j] * k_stride;
 #if defined(__AVX2__)
@@ -2051,64 +2068,77 @@ at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Ten
       const char* vrow = reinterpret_cast<const char*>(vbase + seen[j] * v_stride);
       for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(T)); byte += 64) _mm_prefetch(vrow + byte, _MM_HINT_T1);
 #endif
-      for (int64_t i = 0; i < nq; i += 4) {
-        scores_4x1(qv.data() + i, krow, d, tile);
-        for (int64_t h = 0; h < 4 && i + h < nq; ++h) scores[(i + h) * kChunk + j] = tile[h];
-      }
+      float* sj = scores.data() + j * width;
+      int64_t i = 0;
+      for (; i + 6 <= nq; i += 6) scores_tile<6>(qv.data() + i, krow, d, sj + i);
+      if (nq - i > 4)
+        scores_tile<6>(qv.data() + i, krow, d, sj + i);
+      else if (i < nq)
+        scores_tile<4>(qv.data() + i, krow, d, sj + i);
     }
     // Each query's softmax over the slots its row sees; the others get probability 0. Each query's
-    // max and sum run over its slots in order; the queries' chains advance side by side, slot by
-    // slot, so that they overlap (one chain alone waits out each addition's latency).
-    static thread_local std::vector<float> ms, ls;
-    ms.assign(nq, -INFINITY);
-    ls.assign(nq, 0.0f);
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t i = 0; i < nq; ++i) {
-        float& x = scores[i * kChunk + j];
-        x *= sc;
-        if (all_seen || block_vis[(r0 + i / group) * span + seen[j]]) ms[i] = std::max(ms[i], x);
-      }
-    for (int64_t i = 0; i < nq; ++i) {
-      float* pg = probs.data() + i * kChunk;
-      if (ms[i] != -INFINITY) {
-        exp_shifted(scores.data() + i * kChunk, ms[i], n, pg);
-        if (!all_seen) {
-          const bool* row_vis = block_vis + (r0 + i / group) * span;
-          for (int64_t j = 0; j < n; ++j)
-            if (!row_vis[seen[j]]) pg[j] = 0.0f;
+    // max and sum run over its slots in order, the queries side by side in the lanes (the max is
+    // exact in any order; each lane's sum adds the slots in order), so one chain does not wait
+    // out each addition's latency alone.
+    float* const m = ms.data();
+    float* const l = ls.data();
+    std::fill(m, m + width, -INFINITY);
+    std::fill(l, l + width, 0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      float* x = scores.data() + j * width;
+      int64_t i = 0;
+#if defined(__AVX2__)
+      if (all_seen) {
+        const __m256 scv = _mm256_set1_ps(sc);
+        for (; i < width; i += 8) {
+          const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), scv);
+          _mm256_storeu_ps(x + i, v);
+          // max(v, m) is m unless m < v, as std::max(m, v): the same value, zeros' signs included
+          _mm256_storeu_ps(m + i, _mm256_max_ps(v, _mm256_loadu_ps(m + i)));
         }
-      } else {
-        std::fill(pg, pg + n, 0.0f);  // the row sees nothing here: m = -inf, l = 0, acc = 0
+      }
+#endif
+      for (; i < nq; ++i) {
+        x[i] *= sc;
+        if (all_seen || block_vis[(r0 + i / group) * span + seen[j]]) m[i] = std::max(m[i], x[i]);
       }
     }
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t i = 0; i < nq; ++i) ls[i] += probs[i * kChunk + j];
+    // The lanes past nq up to a multiple of 8 are computed too (one vector for a step's 6 or 7
+    // queries), and never read.
+    const int64_t lanes = (nq + 7) / 8 * 8;
+    for (int64_t j = 0; j < n; ++j) {
+      float* pj = probs.data() + j * width;
+      exp_shifted(scores.data() + j * width, m, lanes, pj);
+      // A slot the query's row does not see, or every slot of a query whose row sees none of
+      // these (m = -inf: l = 0, acc = 0), gets 0.
+      if (!all_seen)
+        for (int64_t i = 0; i < nq; ++i)
+          if (!block_vis[(r0 + i / group) * span + seen[j]]) pj[i] = 0.0f;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const float* pj = probs.data() + j * width;
+      int64_t i = 0;
+#if defined(__AVX2__)
+      for (; i < lanes; i += 8) _mm256_storeu_ps(l + i, _mm256_add_ps(_mm256_loadu_ps(l + i), _mm256_loadu_ps(pj + i)));
+#endif
+      for (; i < nq; ++i) l[i] += pj[i];
+    }
     for (int64_t i = 0; i < nq; ++i) {
-      pm[part(i)] = ms[i];
-      pl[part(i)] = ls[i];
+      pm[part(i)] = m[i];
+      pl[part(i)] = l[i];
     }
-    // The exp-weighted values, four queries (then two, then one) per pass over the value rows.
-    const float* p4[4];
-    float* a4[4];
-    auto queries_from = [&](int64_t i0q, int count) {
-      for (int h = 0; h < count; ++h) {
-        p4[h] = probs.data() + (i0q + h) * kChunk;
-        a4[h] = pacc + part(i0q + h) * d;
-      }
+    // The exp-weighted values, six queries (then four, two, one) per pass over the value rows.
+    float* acc[6];
+    auto weigh = [&](auto heads_now, int64_t i0) {
+      constexpr int H = decltype(heads_now)::value;
+      for (int h = 0; h < H; ++h) acc[h] = pacc + part(i0 + h) * d;
+      weighted_sum_heads<H>(probs.data() + i0, width, seen.data(), n, vbase, v_stride, acc, d);
     };
     int64_t i = 0;
-    for (; i + 4 <= nq; i += 4) {
-      queries_from(i, 4);
-      weighted_sum_heads<4>(p4, seen.data(), n, vbase, v_stride, a4, d);
-    }
-    for (; i + 2 <= nq; i += 2) {
-      queries_from(i, 2);
-      weighted_sum_heads<2>(p4, seen.data(), n, vbase, v_stride, a4, d);
-    }
-    if (i < nq) {
-      queries_from(i, 1);
-      weighted_sum_heads<1>(p4, seen.data(), n, vbase, v_stride, a4, d);
-    }
+    for (; i + 6 <= nq; i += 6) weigh(std::integral_constant<int, 6>{}, i);
+    for (; i + 4 <= nq; i += 4) weigh(std::integral_constant<int, 4>{}, i);
+    for (; i + 2 <= nq; i += 2) weigh(std::integral_constant<int, 2>{}, i);
+    if (i < nq) weigh(std::integral_constant<int, 1>{}, i);
   };
   float* os = out.data_ptr<float>();
   auto out_row = [&](int64_t bi, int64_t row, int64_t head) { return os + (bi * t + row) * heads * d + head * d; };
