@@ -236,7 +236,10 @@ def test_rms_norm_matches_pytorch(kernels, period):
 
 @pytest.mark.parametrize("heads, kv_heads, d, t", [(4, 1, 256, 1), (4, 1, 256, 9), (4, 2, 40, 5), (2, 2, 64, 3),
                                                  (3, 1, 36, 4),  # an odd head per key head; d % 8 inputs
-                                                 (4, 1, 256, 100), (3, 1, 36, 64)])  # prefills: an item per row group
+                                                 (4, 1, 256, 100), (3, 1, 36, 64),  # prefills: an item per row group
+                                                 # groups of 5, 6 and 7 heads: six-query score tiles, a
+                                                 # last tile padded from 1, 3 or 5 queries
+                                                 (5, 1, 40, 3), (12, 2, 128, 5), (7, 1, 24, 70)])
 def test_attention_matches_sdpa_and_each_row_stands_alone(kernels, heads, kv_heads, d, t):
     # Two batch rows of different lengths over a 300-slot cache (three chunks), causal within the
     # block and a sliding window on the second row: the masks the model builds.

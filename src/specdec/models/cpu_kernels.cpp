@@ -1972,6 +1972,84 @@ inline void merge_chunks(const float* m, const float* l, const float* acc, int64
   for (int64_t i = 0; i < d; ++i) o[i] *= inv;
 }
 
+// One chunk's softmax pieces for the nq queries of a work item, over tables of n slot lines `width`
+// floats wide (query i at lane i of each line; width 4 when nq <= 4, else a multiple of 8; the
+// lanes past nq hold finite values and results never read). Scales the scores by sc in place; m[i]
+// = query i's max over the slots it sees (`sees(j, i)`, asked only when not all_seen), -inf where
+// it sees none; probs = exp(score - m[i]) there and 0 elsewhere; l[i] = the sum of its
+// probabilities, slot after slot in order. The max is exact in any order and exp works lane by
+// lane, so those run across whole vectors of the table (two lines a vector when width is 4); each
+// lane's sum keeps the slots' order. So every query gets the operations it would get alone.
+template <typename Sees>
+inline void chunk_softmax(float* scores, float* probs, int64_t n, int64_t nq, int64_t width, float sc, bool all_seen,
+                          Sees sees, float* m, float* l) {
+  const int64_t cells = n * width, lanes = width == 4 ? 4 : (nq + 7) / 8 * 8;
+  std::fill(m, m + width, -INFINITY);
+  std::fill(l, l + width, 0.0f);
+  if (all_seen) {
+    int64_t c = 0;
+#if defined(__AVX2__)
+    const __m256 scv = _mm256_set1_ps(sc);
+    // max(v, m) is m unless m < v, as std::max(m, v)
+    if (width == 4) {  // lane e holds query e % 4
+      __m256 mv = _mm256_set1_ps(-INFINITY);
+      for (; c + 8 <= cells; c += 8) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(scores + c), scv);
+        _mm256_storeu_ps(scores + c, v);
+        mv = _mm256_max_ps(v, mv);
+      }
+      alignas(32) float lane[8];
+      _mm256_store_ps(lane, mv);
+      for (int e = 0; e < 8; ++e) m[e % 4] = std::max(m[e % 4], lane[e]);
+    } else {
+      for (; c < cells; c += 8) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(scores + c), scv);
+        _mm256_storeu_ps(scores + c, v);
+        _mm256_storeu_ps(m + c % width, _mm256_max_ps(v, _mm256_loadu_ps(m + c % width)));
+      }
+    }
+#endif
+    for (; c < cells; ++c) {
+      scores[c] *= sc;
+      m[c % width] = std::max(m[c % width], scores[c]);
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = 0; i < nq; ++i) {
+        float& x = scores[j * width + i];
+        x *= sc;
+        if (sees(j, i)) m[i] = std::max(m[i], x);
+      }
+  }
+  if (width == 4) {
+    int64_t c = 0;
+#if defined(__AVX2__)
+    const __m256 shift = _mm256_setr_ps(m[0], m[1], m[2], m[3], m[0], m[1], m[2], m[3]);
+    for (; c + 8 <= cells; c += 8)
+      _mm256_storeu_ps(probs + c, exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(scores + c), shift)));
+#endif
+    for (; c < cells; ++c) probs[c] = exp_lane(scores[c] - m[c % 4]);
+  } else {
+    for (int64_t j = 0; j < n; ++j) exp_shifted(scores + j * width, m, lanes, probs + j * width);
+  }
+  if (!all_seen)  // a slot a query does not see gets 0 (all of them where m = -inf)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = 0; i < nq; ++i)
+        if (!sees(j, i)) probs[j * width + i] = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* pj = probs + j * width;
+    int64_t i = 0;
+#if defined(__AVX2__)
+    if (width == 4) {
+      _mm_storeu_ps(l, _mm_add_ps(_mm_loadu_ps(l), _mm_loadu_ps(pj)));
+      i = 4;
+    }
+    for (; i < lanes; i += 8) _mm256_storeu_ps(l + i, _mm256_add_ps(_mm256_loadu_ps(l + i), _mm256_loadu_ps(pj + i)));
+#endif
+    for (; i < nq; ++i) l[i] += pj[i];
+  }
+}
+
 // q: [b, H, T, d] float32; cache_k, cache_v: [b, KVH, capacity, d] float32 or float16 (rows
 // contiguous, both of one type); visible:
 // [b, 1, T, S] bool over the first S slots; scale: the score factor. Query head h reads kv head
@@ -2014,8 +2092,8 @@ at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Ten
   auto score_chunk = [&](int64_t bi, int64_t kv, int64_t c, int64_t r0, int64_t r1, float* pm, float* pl, float* pacc,
                          auto part) {
     // The scores and probabilities are tables of one line per slot, the item's queries side by side
-    // in a line `width` floats wide (a multiple of 8: the softmax runs 8 queries a vector, and a
-    // score tile writes up to 3 past the last query).
+    // in a line `width` floats wide (`chunk_softmax`; a score tile writes up to 3 past the last
+    // query).
     const int64_t most = kRowsPerItem * group;  // query vectors an item scores
     static thread_local std::vector<float> scores, probs, ms, ls;
     static thread_local std::vector<int64_t> seen;
@@ -2031,7 +2109,7 @@ at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Ten
     const T* kbase = ks + bi * cache_k.stride(0) + kv * cache_k.stride(1);
     const T* vbase = vs + bi * cache_v.stride(0) + kv * cache_v.stride(1);
     const bool* block_vis = vis + bi * t * span;
-    const int64_t nq = (r1 - r0) * group, width = (nq + 3 + 7) / 8 * 8;
+    const int64_t nq = (r1 - r0) * group, width = nq <= 4 ? 4 : (nq + 3 + 7) / 8 * 8;
     // The slots any of the rows sees, in order. Mostly every row sees the whole chunk (all but the
     // last chunks of a causal block): then no slot needs a look of its own, here or below.
     bool all_seen = true;
@@ -2076,53 +2154,10 @@ at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Ten
       else if (i < nq)
         scores_tile<4>(qv.data() + i, krow, d, sj + i);
     }
-    // Each query's softmax over the slots its row sees; the others get probability 0. Each query's
-    // max and sum run over its slots in order, the queries side by side in the lanes (the max is
-    // exact in any order; each lane's sum adds the slots in order), so one chain does not wait
-    // out each addition's latency alone.
     float* const m = ms.data();
     float* const l = ls.data();
-    std::fill(m, m + width, -INFINITY);
-    std::fill(l, l + width, 0.0f);
-    for (int64_t j = 0; j < n; ++j) {
-      float* x = scores.data() + j * width;
-      int64_t i = 0;
-#if defined(__AVX2__)
-      if (all_seen) {
-        const __m256 scv = _mm256_set1_ps(sc);
-        for (; i < width; i += 8) {
-          const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), scv);
-          _mm256_storeu_ps(x + i, v);
-          // max(v, m) is m unless m < v, as std::max(m, v): the same value, zeros' signs included
-          _mm256_storeu_ps(m + i, _mm256_max_ps(v, _mm256_loadu_ps(m + i)));
-        }
-      }
-#endif
-      for (; i < nq; ++i) {
-        x[i] *= sc;
-        if (all_seen || block_vis[(r0 + i / group) * span + seen[j]]) m[i] = std::max(m[i], x[i]);
-      }
-    }
-    // The lanes past nq up to a multiple of 8 are computed too (one vector for a step's 6 or 7
-    // queries), and never read.
-    const int64_t lanes = (nq + 7) / 8 * 8;
-    for (int64_t j = 0; j < n; ++j) {
-      float* pj = probs.data() + j * width;
-      exp_shifted(scores.data() + j * width, m, lanes, pj);
-      // A slot the query's row does not see, or every slot of a query whose row sees none of
-      // these (m = -inf: l = 0, acc = 0), gets 0.
-      if (!all_seen)
-        for (int64_t i = 0; i < nq; ++i)
-          if (!block_vis[(r0 + i / group) * span + seen[j]]) pj[i] = 0.0f;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const float* pj = probs.data() + j * width;
-      int64_t i = 0;
-#if defined(__AVX2__)
-      for (; i < lanes; i += 8) _mm256_storeu_ps(l + i, _mm256_add_ps(_mm256_loadu_ps(l + i), _mm256_loadu_ps(pj + i)));
-#endif
-      for (; i < nq; ++i) l[i] += pj[i];
-    }
+    chunk_softmax(scores.data(), probs.data(), n, nq, width, sc, all_seen,
+                  [&](int64_t j, int64_t i) { return block_vis[(r0 + i / group) * span + seen[j]]; }, m, l);
     for (int64_t i = 0; i < nq; ++i) {
       pm[part(i)] = m[i];
       pl[part(i)] = l[i];
