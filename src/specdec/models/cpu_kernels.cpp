@@ -1833,7 +1833,7 @@ constexpr int64_t kRowsPerItem = 4;
 // (for 2,048 rows of Gemma 3 270M they were 270 MB a layer through memory).
 constexpr int64_t kRowGroupsApart = 16;
 
-// The dot products of N query vectors (N = 4 or 6) with one key row over d inputs. Each dot runs
+// The dot products of N query vectors (N = 1, 2, 4 or 6) with one key row over d inputs. Each dot runs
 // two 8-lane chains of fused multiply-adds, one over the even 8-input blocks (0-7, 16-23, ...), one
 // over the odd ones, over the first d - d % 8 inputs; the chains add lane by lane, the lanes then
 // add as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), and the last d % 8 inputs follow one product
@@ -1846,7 +1846,7 @@ constexpr int64_t kRowGroupsApart = 16;
 // the cache and slower from memory (docs/archive/BENCHMARKS-history.md).
 template <int N, typename KT>
 inline void scores_tile(const float* const* q, const KT* k, int64_t d, float* out) {
-  static_assert(N == 4 || N == 6, "scores_tile: 4 or 6 queries");
+  static_assert(N == 1 || N == 2 || N == 4 || N == 6, "scores_tile: 1, 2, 4 or 6 queries");
   const int64_t d8 = d - d % 8, d16 = d - d % 16;
 #if defined(__AVX2__)
   __m256 even[N], odd[N];
@@ -1865,14 +1865,21 @@ inline void scores_tile(const float* const* q, const KT* k, int64_t d, float* ou
   __m256 c[N];
   for (int h = 0; h < N; ++h) c[h] = _mm256_add_ps(even[h], odd[h]);
   // hadd adds neighbouring lanes within each 128-bit half: after two rounds lane h of the low half
-  // holds (0 + 1) + (2 + 3) of dot h, of the high half (4 + 5) + (6 + 7); the halves then add. Dots
-  // 4 and 5 take the same two rounds (the second pairing their sums with themselves).
-  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(c[0], c[1]), _mm256_hadd_ps(c[2], c[3]));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
-  if constexpr (N == 6) {
-    const __m256 w = _mm256_hadd_ps(c[4], c[5]);
+  // holds (0 + 1) + (2 + 3) of dot h, of the high half (4 + 5) + (6 + 7); the halves then add. The
+  // last one or two dots take the same two rounds (the second pairing their sums with themselves).
+  if constexpr (N >= 4) {
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(c[0], c[1]), _mm256_hadd_ps(c[2], c[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+  }
+  if constexpr (N % 4 != 0) {
+    constexpr int a = N - N % 4, b = N - 1;
+    const __m256 w = _mm256_hadd_ps(c[a], c[b]);
     const __m256 x = _mm256_hadd_ps(w, w);
-    _mm_storel_pi(reinterpret_cast<__m64*>(out + 4), _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)));
+    const __m128 r = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    if constexpr (N % 4 == 2)
+      _mm_storel_pi(reinterpret_cast<__m64*>(out + a), r);
+    else
+      _mm_store_ss(out + a, r);
   }
 #else
   for (int h = 0; h < N; ++h) {
@@ -2092,7 +2099,7 @@ at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Ten
   auto score_chunk = [&](int64_t bi, int64_t kv, int64_t c, int64_t r0, int64_t r1, float* pm, float* pl, float* pacc,
                          auto part) {
     // The scores and probabilities are tables of one line per slot, the item's queries side by side
-    // in a line `width` floats wide (`chunk_softmax`; a score tile writes up to 3 past the last
+    // in a line `width` floats wide (`chunk_softmax`; a score tile writes up to 1 past the last
     // query).
     const int64_t most = kRowsPerItem * group;  // query vectors an item scores
     static thread_local std::vector<float> scores, probs, ms, ls;
@@ -2109,7 +2116,7 @@ at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Ten
     const T* kbase = ks + bi * cache_k.stride(0) + kv * cache_k.stride(1);
     const T* vbase = vs + bi * cache_v.stride(0) + kv * cache_v.stride(1);
     const bool* block_vis = vis + bi * t * span;
-    const int64_t nq = (r1 - r0) * group, width = nq <= 4 ? 4 : (nq + 3 + 7) / 8 * 8;
+    const int64_t nq = (r1 - r0) * group, width = nq <= 4 ? 4 : (nq + 1 + 7) / 8 * 8;
     // The slots any of the rows sees, in order. Mostly every row sees the whole chunk (all but the
     // last chunks of a causal block): then no slot needs a look of its own, here or below.
     bool all_seen = true;
@@ -2137,7 +2144,7 @@ at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Ten
     for (int64_t i = 0; i < nq; ++i)
       qv[i] = qs + ((bi * heads + kv * group + i % group) * t + r0 + i / group) * d;
     for (int64_t i = nq; i < nq + 5; ++i) qv[i] = qv[nq - 1];
-    // Scores, one slot at a time for six queries (the last tile six or four).
+    // Scores, one slot at a time, six queries a tile (the last ones 1, 2 or 4).
     for (int64_t j = 0; j < n; ++j) {
       const T* krow = kbase + seen[j] * k_stride;
 #if defined(__AVX2__)
@@ -2147,12 +2154,22 @@ at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Ten
       for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(T)); byte += 64) _mm_prefetch(vrow + byte, _MM_HINT_T1);
 #endif
       float* sj = scores.data() + j * width;
-      int64_t i = 0;
-      for (; i + 6 <= nq; i += 6) scores_tile<6>(qv.data() + i, krow, d, sj + i);
-      if (nq - i > 4)
-        scores_tile<6>(qv.data() + i, krow, d, sj + i);
-      else if (i < nq)
-        scores_tile<4>(qv.data() + i, krow, d, sj + i);
+      for (int64_t i = 0; i < nq;) {
+        const int64_t left = nq - i;  // 7 and 8 as 4 + 4 (6 + 1 left a lone dot's chains waiting)
+        if (left == 1) {
+          scores_tile<1>(qv.data() + i, krow, d, sj + i);
+          i += 1;
+        } else if (left == 2) {
+          scores_tile<2>(qv.data() + i, krow, d, sj + i);
+          i += 2;
+        } else if (left <= 4 || left == 7 || left == 8) {  // 3 padded to 4
+          scores_tile<4>(qv.data() + i, krow, d, sj + i);
+          i += 4;
+        } else {  // 5 padded to 6
+          scores_tile<6>(qv.data() + i, krow, d, sj + i);
+          i += 6;
+        }
+      }
     }
     float* const m = ms.data();
     float* const l = ls.data();
