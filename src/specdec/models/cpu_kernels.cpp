@@ -2105,13 +2105,13 @@ at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Ten
     static thread_local std::vector<float> scores, probs, ms, ls;
     static thread_local std::vector<int64_t> seen;
     static thread_local std::vector<const float*> qv;
-    const size_t line = (most + 3 + 7) / 8 * 8;
+    const size_t line = (most + 1 + 7) / 8 * 8;  // the widest line an item can need
     scores.resize(std::max(scores.size(), kChunk * line));
     probs.resize(std::max(probs.size(), kChunk * line));
     ms.resize(std::max(ms.size(), line));
     ls.resize(std::max(ls.size(), line));
     seen.resize(kChunk);
-    qv.resize(std::max<size_t>(qv.size(), most + 5));
+    qv.resize(std::max<size_t>(qv.size(), most + 1));
     const int64_t s0 = (first + c) * kChunk, s1 = std::min(span, s0 + kChunk);
     const T* kbase = ks + bi * cache_k.stride(0) + kv * cache_k.stride(1);
     const T* vbase = vs + bi * cache_v.stride(0) + kv * cache_v.stride(1);
@@ -2143,7 +2143,7 @@ at::Tensor attention_over(at::Tensor q, const at::Tensor& cache_k, const at::Ten
     // last, for the last tile (the pads' scores are not read).
     for (int64_t i = 0; i < nq; ++i)
       qv[i] = qs + ((bi * heads + kv * group + i % group) * t + r0 + i / group) * d;
-    for (int64_t i = nq; i < nq + 5; ++i) qv[i] = qv[nq - 1];
+    qv[nq] = qv[nq - 1];
     // Scores, one slot at a time, six queries a tile (the last ones 1, 2 or 4).
     for (int64_t j = 0; j < n; ++j) {
       const T* krow = kbase + seen[j] * k_stride;
