@@ -219,8 +219,8 @@ def application(settings: ServerSettings, replicas: int = 1, min_replicas: int |
     and their caches take memory only as they fill, so each alone would see it all free)."""
     options = deployment_options(replicas, min_replicas, max_replicas, target_ongoing_requests, session_affinity,
                                  replica_cpus, settings, log_level)
-    most = replicas if max_replicas is None else max_replicas
-    settings = dataclasses.replace(settings, memory_share=settings.memory_share / max(1, most))
+    most = options["autoscaling_config"]["max_replicas"] if "autoscaling_config" in options else options["num_replicas"]
+    settings = dataclasses.replace(settings, memory_share=settings.memory_share / most)
     return SpecdecServer.options(**options).bind(settings, SpecdecMetricsHub.bind())
 
 
