@@ -335,8 +335,9 @@ def test_a_catch_up_after_a_pause_is_read_whatever_its_price(llama):
 
 def test_a_followed_prediction_goes_first_however_well_the_model_has_paid(llama):
     """A lookup-first row may ask its model before a lookup guess whose kind has paid less; never
-    before a prediction the output has been following: those drafts are free and the model,
-    asked instead, drafts the same tokens one forward each."""
+    before a prediction the output has been following or has just rejoined on a long match or
+    after a replaced token: those drafts are free and the model, asked instead, drafts the same
+    tokens one forward each."""
     drafter = lookup_first(NgramDrafter(), DraftModelDrafter(noisy_copy(llama, 0.0, 1), V))
     cost = DraftCost(prior=0.01)
     rule = row_rule("cost", 5, model=llama, verify_cost=0.1, verify_overhead=0.0, draft_cost=cost, k_max=64)
@@ -348,4 +349,44 @@ def test_a_followed_prediction_goes_first_however_well_the_model_has_paid(llama)
     assert control.plan(ids, 64, None) > 0 and control.stop is not None  # asked this step
     first = control.learned_first()
     assert first((JOIN, "line")) and first((JOIN, "start"))  # weighed, and here the model goes first
-    assert not first(FOLLOW)
+    assert first((JOIN, "short")) and first((JOIN, "first-swap"))
+    assert not first(FOLLOW) and not first((JOIN, "long")) and not first((JOIN, "swap"))  # the text vouches
+
+
+class Chars:
+    """A tokenizer of TINY_VOCAB ids, one character each (id i is chr(BASE + i)): predictions as text."""
+
+    BASE = 0x4E00
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(self.BASE + i) for i in ids)
+
+    def encode_plain(self, text):
+        return [ord(c) - self.BASE if 0 <= ord(c) - self.BASE < V else 0 for c in text]
+
+    def encode_offsets(self, text):
+        return self.encode_plain(text), list(range(len(text)))
+
+
+def test_a_row_drafting_from_its_prediction_leaves_its_model_unread(llama):
+    """A lookup-first row reads its draft model's missing context only in a step its model drafts:
+    while the prediction drafts every step, nothing is read (before, each asking step read the
+    tokens the prediction had drafted, a draft forward each time), and once the output has passed
+    the prediction's end the catch-up is weighed against the few tokens still expected
+    (`PREDICTION_TAIL`), here not paid. An unrelated prediction leaves the model reading and drafting."""
+    ids = prompts(1, length=60)[0]
+    greedy = SamplingParams(ignore_eos=True)
+    plain = Engine(llama, Chars()).generate(prompt_ids=ids, max_new_tokens=60, sampling=greedy)
+    runs = {}
+    for name, prediction in (("own", Chars().decode(plain.token_ids[:50])), ("unrelated", Chars().decode(ids[::-1]))):
+        drafter = lookup_first(NgramDrafter(), DraftModelDrafter(llama, V))
+        reads, proposals = _counting(drafter.learned)
+        engine = Engine(llama, Chars(), drafter=drafter, num_speculative_tokens=5, verify_cost=0.1, verify_overhead=0.0)
+        engine.draft_costs[drafter.name] = PricedRead(prior=0.1, read_prior=0.07)
+        out = engine.generate(prompt_ids=ids, max_new_tokens=60, sampling=greedy, prediction=prediction)
+        assert out.token_ids == plain.token_ids, name
+        runs[name] = reads, proposals, out.stats.draft_tokens
+    reads, proposals, drafted = runs["own"]
+    assert reads == [] and proposals == [] and drafted >= 45  # the prediction drafted; the model never ran
+    reads, proposals, _ = runs["unrelated"]
+    assert reads and proposals  # the prompt read (60 tokens: 59 * 0.07 < 0.25 * 59), then drafts

@@ -14,7 +14,7 @@ from specdec import Engine, SamplingParams
 from specdec.drafters import NgramDrafter
 from specdec.drafters.combined import lookup_first
 from specdec.drafters.draft_model import DraftModelDrafter
-from specdec.drafters.prediction import (FOLLOW, JOIN, Prediction, PredictionDrafter, PredictionFirst,
+from specdec.drafters.prediction import (FIRST, FOLLOW, JOIN, Prediction, PredictionDrafter, PredictionFirst,
                                          prediction_usage, with_prediction)
 from specdec.errors import InvalidRequestError
 from specdec.models import loader
@@ -95,6 +95,34 @@ def test_rejoins_after_a_divergence(gemma_tokenizer, edit, output, rest):
     text = "def f(a):\n    x = compute(a)\n    y = x + 1\n    return y\n"
     drafts = drafted_after(tok, text, output)
     assert drafts and tok.decode(drafts) == rest, edit
+
+
+def test_a_replaced_token_is_a_swap_once_the_output_has_followed(gemma_tokenizer):
+    """A token the output put in place of the one expected rejoins at the token after it: a "swap"
+    where the output had followed the prediction (a rename: drafted before the row's model,
+    `FIRST`), a "first-swap" where it had not (its first token differed), weighed like any join."""
+    tok = gemma_tokenizer
+    text = "total = price * count\nprint(total)\nreturn total\n"
+    pred = Prediction.of(text, tok)
+    other = tok.encode_plain("Q")[-1]  # spells nothing of the text
+    assert other not in pred.ids
+    for out, kind in ((pred.ids[:3] + [other], "swap"), ([other], "first-swap")):
+        drafter = PredictionDrafter(pred, tok)
+        drafter.begin([9])
+        proposal = drafter.propose([9] + out, 64)
+        assert proposal.source == (JOIN, kind) and proposal.tokens == pred.ids[len(out):], kind
+    assert (JOIN, "swap") in FIRST and (JOIN, "first-swap") not in FIRST and (JOIN, "long") in FIRST
+
+
+def test_passed_end_once_the_output_followed_the_prediction_to_its_end(gemma_tokenizer):
+    tok = gemma_tokenizer
+    text = "x = 1\ny = 2\n"
+    pred = Prediction.of(text, tok)
+    drafter = PredictionDrafter(pred, tok)
+    drafter.begin([9])
+    assert not drafter.passed_end([9] + pred.ids[:-2])
+    assert drafter.passed_end([9] + pred.ids)  # the same output, read by passed_end itself
+    assert not PredictionDrafter(pred, tok).passed_end([9] + tok.encode_plain("z = 3\n"))
 
 
 def test_joins_inside_a_token_are_retokenised(gemma_tokenizer):

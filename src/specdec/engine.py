@@ -429,10 +429,12 @@ class Engine:
         drafter = self.drafter if drafter is _DEFAULT else drafter
         tree = self.draft_tree if draft_tree is _DEFAULT else draft_tree
         k = self.k if num_speculative_tokens is None else num_speculative_tokens
+        predicted = None  # the row's PredictionDrafter
         if k == 0:
             drafter = None
         elif prediction is not None and self.tokenizer is not None:
-            drafter = with_prediction(PredictionDrafter(prediction, self.tokenizer), drafter)
+            predicted = PredictionDrafter(prediction, self.tokenizer)
+            drafter = with_prediction(predicted, drafter)
         if drafter is None or not drafter.needs.trees:
             tree = None
         fixed_k = not sampling.greedy and sampling.seed is not None
@@ -455,7 +457,7 @@ class Engine:
             rule = policy.row_rule(length, k, model=self.model, verify_cost=self.verify_cost,
                                    verify_overhead=self.verify_overhead, screened=screen, draft_cost=rule_cost,
                                    k_max=prediction_k_max if prediction is not None else None)
-            control = policy.DraftController(drafter, rule, cost, fixed_k=fixed_k, tree=tree)
+            control = policy.DraftController(drafter, rule, cost, fixed_k=fixed_k, tree=tree, prediction=predicted)
         eos = () if sampling.ignore_eos else self.model.config.eos_token_ids
         return Row(list(prompt_ids), Output(self.tokenizer, eos, list(stop), max_new_tokens),
                    sampling, make_generator(sampling.seed, self.device), drafter, control, tree,

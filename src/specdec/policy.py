@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from .drafters.base import Proposal
 from .drafters.combined import LEARNED
-from .drafters.prediction import FOLLOW
+from .drafters.prediction import FIRST
 from .errors import InvalidRequestError
 from .verify import TokenTree
 
@@ -44,6 +44,10 @@ DRAFT_LENGTHS = ("fixed", "adaptive", "cost")
 # prediction has held, its acceptance estimate climbs and the cost rule wants tens of tokens (at an
 # acceptance of 0.99 and int4's verify cost, about 40), which a lookup's cap of a few would forbid.
 PREDICTION_K_MAX = 64
+# The tokens a row expects to emit once its output has passed its prediction's end (an edit's
+# closing fence, the end): what a read by its draft model is weighed against from then on, so a
+# catch-up over the hundreds of tokens the prediction drafted is not paid for the last few.
+PREDICTION_TAIL = 8
 # The cost-aware draft length's step-cost model, 1 + overhead + cost * k for a verify pass over k
 # drafts, in plain steps (see `CostAwareDraftLength`), fitted to timings of a pass over T tokens
 # against T = 1 (docs/archive/BENCHMARKS-history.md; int4: BENCHMARKS.md, "The cost of scoring T
@@ -461,8 +465,9 @@ class DraftController:
     tells `hear` after verification; nothing outside looks at the rule's kind.
     """
 
-    def __init__(self, drafter, rule, cost: DraftCost | None, *, fixed_k: bool, tree=None):
+    def __init__(self, drafter, rule, cost: DraftCost | None, *, fixed_k: bool, tree=None, prediction=None):
         self.drafter, self.rule, self.cost, self.fixed_k, self.tree = drafter, rule, cost, fixed_k, tree
+        self.prediction = prediction  # the row's `PredictionDrafter`, or None
         # Whether the drafter sizes its own chains by their price (`ChainStop`), under a priced
         # rule; under a fixed or adaptive length it drafts the k asked for.
         self.stops = drafter.needs.stops and rule.priced
@@ -470,6 +475,9 @@ class DraftController:
         self.model_source = LEARNED if drafter.needs.labels_proposals else None
         self.stop: ChainStop | None = None  # this step's, or None when the drafter is not asked
         self.read = False  # the drafter has read the prompt (`_reads`)
+        # A lookup-first row's read, put off until its learned part drafts this step (`catch_up`):
+        # the unread tokens, or 0. Where lookup (or a prediction) drafts the step, it is never paid.
+        self._deferred = 0
 
     @property
     def room(self) -> int:
@@ -488,6 +496,7 @@ class DraftController:
         which a seeded sampled row ignores (its draws depend on k)."""
         drafter = self.drafter
         self.stop = None
+        self._deferred = 0
         limit = remaining if (cap is None or self.fixed_k) else min(remaining, cap)
         if limit <= 0:
             return 0
@@ -519,7 +528,7 @@ class DraftController:
             # draft (a model drafter's forward would be spent for nothing).
             k = min(self.rule.next_k(), limit)
         if k and drafter.needs.reads and (unread := drafter.pending(context)):
-            self._read(context, unread)  # a fixed length reads whatever it costs, timed apart
+            self._read_now_or_later(context, unread)  # a fixed length reads whatever it costs, timed apart
         return k
 
     def _reads(self, context: list[int], remaining: int) -> bool:
@@ -529,17 +538,41 @@ class DraftController:
         False: it is not asked this step (nor, for a prompt too long to pay back, later: the
         allowance only shrinks). Only the prompt's read is weighed: a catch-up after a pause is
         part of the probe the gate chose to make, and weighing it against the stale value that
-        the probe is there to refresh would put the probe off."""
+        the probe is there to refresh would put the probe off. Except past the end of a
+        prediction: there every read is weighed, against the few tokens still expected
+        (`PREDICTION_TAIL`)."""
         unread = self.drafter.pending(context) if self.drafter.needs.reads else 0
         if not unread:
             self.read = True  # a short prompt: read along with the first proposal
             return True
         rule = self.rule
         price = rule.draft_cost.per_read_token() if rule.draft_cost is not None else 0.0
-        if not self.read and not rule.gate.reads(unread, remaining, price):
+        weigh = not self.read
+        if self.prediction is not None and self.prediction.passed_end(context):
+            remaining, weigh = min(remaining, PREDICTION_TAIL), True
+        if weigh and not rule.gate.reads(unread, remaining, price):
             return False
-        self._read(context, unread)
+        self._read_now_or_later(context, unread)
         return True
+
+    def _read_now_or_later(self, context: list[int], unread: int) -> None:
+        """Read now, or for a lookup-first row once its learned part is to draft (`catch_up`): a
+        step that lookup or a prediction drafts never reads, so a row following a prediction for
+        hundreds of tokens does not keep its draft model's cache in step a few tokens a pass (each
+        read a forward of the draft), and when the model is next asked it reads them in one block."""
+        if self.drafter.needs.fallback:
+            self._deferred = unread
+        else:
+            self._read(context, unread)
+
+    def catch_up(self, context: list[int]) -> float:
+        """Pay the read `plan` put off, if any, before the learned part drafts; its seconds."""
+        if not self._deferred:
+            return 0.0
+        started = time.perf_counter()
+        self._read(context, self._deferred)
+        self._deferred = 0
+        return time.perf_counter() - started
 
     def _read(self, context: list[int], unread: int) -> None:
         """The drafter reads its pending context, timed as reading (`DraftCost.observe_read`), not
@@ -555,14 +588,15 @@ class DraftController:
         """For a lookup-first row whose model sizes its own chains and is asked this step: a test of
         a lookup guess's kind, True where the model's asks have been worth more per plain step
         (`AskGate.value`) than that kind at its best length (`CostAwareDraftLength.value`);
-        otherwise None (lookup's guess first, as ever). A prediction the output has been following
-        (`FOLLOW`) always goes first: it is the client's own text, free to draft, and the model,
-        asked instead, drafts the same tokens one forward each."""
+        otherwise None (lookup's guess first, as ever). A prediction the output has been following,
+        or has just rejoined on the evidence of its own text (`prediction.FIRST`), always goes
+        first: it is the client's own text, free to draft, and the model, asked instead, drafts the
+        same tokens one forward each."""
         if not self.stops or self.stop is None:
             return None
         rule = self.rule
         learned = rule.gate.value()
-        return lambda source: source != FOLLOW and learned > rule.value(source)
+        return lambda source: source not in FIRST and learned > rule.value(source)
 
     def learned_k(self, plan: int) -> int:
         """The length a lookup-first row's learned part drafts where lookup found nothing."""
@@ -582,15 +616,18 @@ class DraftController:
         if made is not None:
             proposal, seconds = made
         else:
-            started = time.perf_counter()
+            started, reading = time.perf_counter(), 0.0
             if drafter.needs.fallback:
-                # Where lookup finds nothing, the learned drafter drafts what the rule wants for
-                # its kind (a fixed length: k).
+                # Where lookup finds nothing, the learned drafter reads what it has not (timed as
+                # reading) and drafts what the rule wants for its kind (a fixed length: k).
                 fallback = (k if self.stop is not None else 0) if self.stops else max(1, rule.next_k(LEARNED))
-                proposal = drafter.propose(context, k, fallback_k=fallback, learned_first=self.learned_first())
+                proposal = drafter.propose_free(context, k, self.learned_first())
+                if proposal is None:
+                    reading = self.catch_up(context)
+                    proposal = drafter.propose_learned(context, min(k, fallback))
             else:
                 proposal = drafter.propose(context, k)
-            seconds = time.perf_counter() - started
+            seconds = time.perf_counter() - started - reading
         if self.cost is not None and not self.fixed_k:
             # A self-sized chain's price is per draft forward (positions its stop read), which is
             # what its stop weighs; per drafted token it would count the forward that found the

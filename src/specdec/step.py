@@ -241,6 +241,7 @@ def _batch_member(row, plan: int, batched: dict, r: int) -> tuple[Drafter, int] 
         if not control.asked:  # its model is not asked this step
             batched[r] = (Proposal([], source=LEARNED), 0.0)
             return None
+        control.catch_up(row.context)  # the read its plan put off, now that its model drafts
         k = control.learned_k(plan)
     return row.drafter.batch_member(), k
 

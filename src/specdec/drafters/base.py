@@ -251,6 +251,10 @@ class LookupFirst(Protocol):
         `batch_member()`, in the batched forward of its batch key with the other drafting rows."""
         ...
 
+    def propose_learned(self, context: list[int], n: int) -> Proposal:
+        """The learned part's proposal of up to `n` tokens, alone (where `propose_free` gave none)."""
+        ...
+
 
 @runtime_checkable
 class Priced(Protocol):

@@ -103,7 +103,11 @@ class LookupFirstDrafter(DrafterBase):
         proposal = self.propose_free(context, k, learned_first)
         if proposal is not None:
             return proposal
-        n = min(k, self.fallback_k if fallback_k is None else fallback_k)
+        return self.propose_learned(context, min(k, self.fallback_k if fallback_k is None else fallback_k))
+
+    def propose_learned(self, context: list[int], n: int) -> Proposal:
+        """The learned part's proposal of up to `n` tokens (none for n <= 0), labelled LEARNED: what
+        `propose` drafts where `propose_free` gave nothing."""
         if n <= 0:
             return Proposal([])
         learned = self.learned.propose(context, n)

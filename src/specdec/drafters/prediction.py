@@ -31,7 +31,8 @@ Sources. Each proposal says what kind of guess it is (`Proposal.source`), so the
 (`policy.CostAwareDraftLength`) keeps one acceptance estimate per kind and sizes each by its own
 evidence: `FOLLOW` once `FOLLOW_RUN` tokens have agreed since the last join (long drafts where the
 prediction has held), else `(JOIN, kind)` with the kind of the join: "start", "line", "swap" (the
-token after one the output replaced), or the length of the text match ("short" / "long"): short
+token after one the output replaced while following; "first-swap" where it had not followed yet),
+or the length of the text match ("short" / "long"): short
 drafts right after a divergence. A kind of join whose proposals keep coming to nothing falls silent
 for a while (`GATE`), leaving those steps to the row's own drafter.
 
@@ -57,6 +58,12 @@ from specdec.errors import InvalidRequestError
 
 FOLLOW = "prediction"  # Proposal.source while the output has followed the prediction a while
 JOIN = "prediction-join"  # (JOIN, kind): the first drafts after a join
+# The sources a row drafts before asking its model (`policy.DraftController.learned_first`): besides
+# following, the joins the output's own text vouches for, a match of LONG_MATCH characters or more
+# and the token after one the output replaced while following (a rename). Their first proposal has
+# no acceptance evidence of its own in the row yet, and the model, asked instead, would draft the
+# same text one forward a token.
+FIRST = (FOLLOW, (JOIN, "long"), (JOIN, "swap"))
 FOLLOW_RUN = 4  # tokens agreed since a join before its drafts count as following
 TAIL_TOKENS = 24  # the output's recent tokens whose text is matched against the prediction
 LONG_MATCH = 12  # a text match of at least this many characters is a "long" join
@@ -144,7 +151,7 @@ class PredictionDrafter(DrafterBase):
         self._kind: object = "start"
         self._proposed: object = None  # the kind of join of the last proposal (None: none, or following)
         self._evidence: dict[object, list[float]] = {}  # kind -> [accepted tokens, rejected proposals]
-        self._swap: tuple[int, int | None] = (-1, None)  # (output length, char) of a one-token swap
+        self._swap: tuple[int, int | None, str] = (-1, None, "swap")  # (output length, char, kind) of a one-token swap
 
     def propose(self, context: list[int], k: int) -> Proposal:
         check_k(k)
@@ -175,6 +182,14 @@ class PredictionDrafter(DrafterBase):
     def end(self, output_ids: list[int]) -> None:
         self._ids, self._starts = [], []
 
+    def passed_end(self, context: list[int]) -> bool:
+        """Whether the output (in `context`) has followed the prediction to its end (but white
+        space, which the output may spell in one token with what follows, as a line end with a
+        closing fence)."""
+        self._follow(context[self._prompt :])
+        text = self.prediction.text
+        return bool(text.strip()) and not text[self._anchor :].strip()
+
     # -- following -------------------------------------------------------------------------------
 
     def _follow(self, out: list[int]) -> None:
@@ -199,8 +214,11 @@ class PredictionDrafter(DrafterBase):
         else:
             self._cursor = None
             # A token that replaced the one expected (a renamed name, a changed number): the
-            # output may go on from the token after it.
-            self._swap = (len(out) - len(new) + m + 1, self._starts[c + 1] if c + 1 < len(ids) else None)
+            # output may go on from the token after it. "swap" where the output had agreed with
+            # the track before it; "first-swap" where it had not (at the start, or just after a
+            # join), a weaker guess.
+            after = self._starts[c + 1] if c + 1 < len(ids) else None
+            self._swap = (len(out) - len(new) + m + 1, after, "swap" if self._run else "first-swap")
 
     # -- rejoining -------------------------------------------------------------------------------
 
@@ -220,10 +238,10 @@ class PredictionDrafter(DrafterBase):
             if 2 * length <= len(last_line.lstrip()):
                 self._track_from(line_start, "line")
                 return
-        swap_at, swap_char = self._swap
+        swap_at, swap_char, swap_kind = self._swap
         # (Not where the output spelled the start of the token expected in pieces of its own.)
         if len(out) == swap_at and swap_char is not None and length < LONG_MATCH and not anchor < end < swap_char:
-            self._track_from(swap_char, "swap")
+            self._track_from(swap_char, swap_kind)
             return
         if length >= MIN_AFTER:
             self._track_from(end, "long" if length >= LONG_MATCH else "short")
