@@ -575,3 +575,29 @@ def test_the_spread_across_repeats_is_reported():
                       [PromptInfo(p, "g", 10) for p in "ab"], [r for r in plain + spec if r.repeat == 0], {},
                       "peak RSS", {})
     assert "Spread across repeats" not in R.to_markdown(one, R.summarize(one))
+
+
+class _BrokenLlamaCpp:
+    """An import finder for which `import llama_cpp` fails as llama-cpp-python does where it is
+    installed without its shared library (FileNotFoundError)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "llama_cpp":
+            raise FileNotFoundError("Shared library with base name 'llama' not found")
+        return None
+
+
+def test_a_llama_cpp_without_its_library_is_skipped_and_never_loses_a_run(monkeypatch):
+    """The peer is skipped with the reason, and the machine record (written after every run) reads
+    the installed versions without importing the peers: an import there had failed after a whole
+    run and lost its results."""
+    from specdec.bench.peers import _load_llama_cpp
+    from specdec.bench.runner import machine_info
+
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenLlamaCpp()] + sys.meta_path)
+    with pytest.raises(FileNotFoundError):
+        import llama_cpp  # noqa: F401
+    reason = _load_llama_cpp(None, C.parse_configs("llama-cpp")[0], [], [], {}, {}, print)
+    assert reason.startswith("llama-cpp-python cannot load its library")
+    assert machine_info("cpu")["cpu"] and "llama_cpp" not in sys.modules

@@ -212,6 +212,8 @@ def _load_llama_cpp(settings: Settings, c: BenchConfig, eos: list[int], prompt_i
         import llama_cpp  # noqa: F401
     except ImportError:
         return "llama-cpp-python is not installed (pip install llama-cpp-python)"
+    except OSError as exc:  # installed, but its shared library is missing or does not load
+        return f"llama-cpp-python cannot load its library ({exc})"
     gguf = gguf_for(settings, c)
     if gguf is None or not gguf.is_file():
         return f"needs a GGUF file: add :model=PATH.gguf ({gguf or settings.model} is not one)"

@@ -33,7 +33,9 @@ samplers and are left out of sampled runs.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib.metadata
 import os
 import platform
 import resource
@@ -334,18 +336,12 @@ def machine_info(device: str) -> dict:
             "device": device}
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    try:
-        import llama_cpp
-
-        info["llama_cpp"] = getattr(llama_cpp, "__version__", "?")
-    except ImportError:
-        pass
+    # The peers' versions from their installed metadata, never by importing them: a run has already
+    # loaded what it used, and an import here, after every run, could only fail (llama-cpp-python
+    # raises FileNotFoundError where its library is missing) and lose the run's results.
+    for package, key in (("transformers", "transformers"), ("llama_cpp_python", "llama_cpp")):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            info[key] = importlib.metadata.version(package)
     return info
 
 
