@@ -67,12 +67,17 @@ def drafted_after(tok, prediction: str, output: str, k: int = 64) -> list[int]:
     return drafter.propose(prompt + tok.encode_plain(output), k).tokens
 
 
-def test_follows_the_prediction_and_labels_its_evidence(gemma_tokenizer):
-    tok = gemma_tokenizer
-    text = "def area(r):\n    return 3.14 * r * r\n\nprint(area(2))\n"
+def begun(text: str, tok) -> tuple[Prediction, PredictionDrafter]:
+    """`text` as a prediction and a drafter of it, begun after the one-token prompt [9]."""
     pred = Prediction.of(text, tok)
     drafter = PredictionDrafter(pred, tok)
     drafter.begin([9])
+    return pred, drafter
+
+
+def test_follows_the_prediction_and_labels_its_evidence(gemma_tokenizer):
+    tok = gemma_tokenizer
+    pred, drafter = begun("def area(r):\n    return 3.14 * r * r\n\nprint(area(2))\n", tok)
     first = drafter.propose([9], 5)
     assert first.tokens == pred.ids[:5] and first.source == (JOIN, "start")
     follow = drafter.propose([9] + pred.ids[:6], 64)
@@ -107,8 +112,7 @@ def test_a_replaced_token_is_a_swap_once_the_output_has_followed(gemma_tokenizer
     other = tok.encode_plain("Q")[-1]  # spells nothing of the text
     assert other not in pred.ids
     for out, kind in ((pred.ids[:3] + [other], "swap"), ([other], "first-swap")):
-        drafter = PredictionDrafter(pred, tok)
-        drafter.begin([9])
+        _, drafter = begun(text, tok)
         proposal = drafter.propose([9] + out, 64)
         assert proposal.source == (JOIN, kind) and proposal.tokens == pred.ids[len(out):], kind
     assert (JOIN, "swap") in FIRST and (JOIN, "first-swap") not in FIRST and (JOIN, "long") in FIRST
@@ -116,10 +120,7 @@ def test_a_replaced_token_is_a_swap_once_the_output_has_followed(gemma_tokenizer
 
 def test_passed_end_once_the_output_followed_the_prediction_to_its_end(gemma_tokenizer):
     tok = gemma_tokenizer
-    text = "x = 1\ny = 2\n"
-    pred = Prediction.of(text, tok)
-    drafter = PredictionDrafter(pred, tok)
-    drafter.begin([9])
+    pred, drafter = begun("x = 1\ny = 2\n", tok)
     assert not drafter.passed_end([9] + pred.ids[:-2])
     assert drafter.passed_end([9] + pred.ids)  # the same output, read by passed_end itself
     assert not PredictionDrafter(pred, tok).passed_end([9] + tok.encode_plain("z = 3\n"))
