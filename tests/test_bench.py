@@ -601,3 +601,24 @@ def test_a_llama_cpp_without_its_library_is_skipped_and_never_loses_a_run(monkey
     reason = _load_llama_cpp(None, C.parse_configs("llama-cpp")[0], [], [], {}, {}, print)
     assert reason.startswith("llama-cpp-python cannot load its library")
     assert machine_info("cpu")["cpu"] and "llama_cpp" not in sys.modules
+
+
+def test_the_bench_times_a_lookup_first_drafters_proposals():
+    """The core drafts a lookup-first row through `propose_free` and `propose_learned`, not
+    `propose`: the bench's drafting time (its c and bound) must count them."""
+    import time
+
+    from specdec.bench.runner import TimedDrafter
+    from specdec.drafters.base import DrafterNeeds, Proposal
+    from specdec.drafters.combined import LookupFirstDrafter
+
+    class Slow:
+        name, needs = "slow", DrafterNeeds()
+
+        def propose(self, context, k):
+            time.sleep(0.02)
+            return Proposal([1] * k)
+
+    timed = TimedDrafter(LookupFirstDrafter(Slow(), Slow()))
+    assert timed.propose_free([1, 2], 3) is not None and timed.take_seconds() >= 0.02
+    assert timed.propose_learned([1, 2], 2).tokens == [1, 1] and timed.take_seconds() >= 0.02

@@ -112,7 +112,9 @@ def _vm_hwm() -> int | None:
 
 
 class TimedDrafter:
-    """A drafter that also adds up the time its `propose` takes (the drafting cost of the bound).
+    """A drafter that also adds up the time its proposals take (the drafting cost of the bound):
+    `propose`, `propose_tree`, and a lookup-first combination's `propose_free` and
+    `propose_learned`, which the core calls in place of `propose`.
 
     Everything else, including optional hooks such as `observe`, goes to the wrapped drafter.
     """
@@ -125,17 +127,23 @@ class TimedDrafter:
     def begin(self, prompt_ids, sampling=None, generator=None) -> None:
         self.inner.begin(prompt_ids, sampling, generator)
 
-    def propose(self, context: list[int], k: int, **options):
+    def _timed(self, method: str, *args, **options):
         start = time.perf_counter()
-        proposal = self.inner.propose(context, k, **options)
+        made = getattr(self.inner, method)(*args, **options)
         self.seconds += time.perf_counter() - start
-        return proposal
+        return made
+
+    def propose(self, context: list[int], k: int, **options):
+        return self._timed("propose", context, k, **options)
 
     def propose_tree(self, context: list[int], *shape):
-        start = time.perf_counter()
-        tree = self.inner.propose_tree(context, *shape)
-        self.seconds += time.perf_counter() - start
-        return tree
+        return self._timed("propose_tree", context, *shape)
+
+    def propose_free(self, context: list[int], k: int, learned_first=None):
+        return self._timed("propose_free", context, k, learned_first)
+
+    def propose_learned(self, context: list[int], n: int):
+        return self._timed("propose_learned", context, n)
 
     def feedback(self, num_accepted: int) -> None:
         self.inner.feedback(num_accepted)
