@@ -2,14 +2,17 @@
 logits the float32 conversion gives, writes no float32 copy, and a stale or cut entry is rebuilt
 with one line saying why; `specdec models --cache` lists and prunes entries."""
 
+import gc
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 from helpers import make_tiny_hf
+from specdec.errors import ModelLoadError
 from specdec.models import cpu_kernels, loader, mapped
 from test_gguf import write_gemma3_gguf
 
@@ -114,6 +117,35 @@ def test_mapped_entry_loads_the_converted_models_logits_bit_for_bit(ggufs, cache
     again, _ = loader.load(path, torch.float32, "cpu", quantize=quantize)  # the warm load: the file alone
     assert torch.equal(_logits(again, vocab), _logits(reference, vocab))
     assert (folder / "config.json").is_file()
+
+
+def test_tables_read_in_small_pieces_on_threads_load_the_same_model(ggufs, cache, monkeypatch):
+    """`_Reader` splits each table into pieces read by several threads, landing in any order: with
+    pieces of 256 bytes the loaded model is the one-piece load's, bit for bit; a piece the file
+    cannot fill fails the load with a clear message, raised from its thread, and leaves nothing open."""
+    model, folder = loader.load(ggufs["qwen2"], torch.float32, "cpu", quantize="int4")
+    reference = _logits(model, model.config.vocab_size)
+    monkeypatch.setattr(mapped, "_READ_THREADS", 3)
+    monkeypatch.setattr(mapped._Reader, "PIECE", 256)
+    pieces = []
+    real = os.preadv
+
+    def counted(fd, buffers, offset):
+        pieces.append(offset)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(mapped.os, "preadv", counted)
+    again = mapped.load_entry(folder, torch.float32, "cpu")
+    assert len(pieces) > 2 * len(mapped.read_manifest(folder)["modules"])  # tables did split
+    assert torch.equal(_logits(again, model.config.vocab_size), reference)
+    monkeypatch.setattr(mapped.os, "preadv", lambda fd, buffers, offset: 0 if offset > 4096 else real(fd, buffers, offset))
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ModelLoadError, match=r"weights\.bin ends inside a table \(cut\?\)") as failed:
+        mapped.load_entry(folder, torch.float32, "cpu")
+    del failed  # its frames hold the mapping (and the mapping's own descriptor)
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert not [t for t in threading.enumerate() if t.name.startswith("specdec-load")]
 
 
 def test_stale_and_cut_entries_are_rebuilt_with_a_reason(ggufs, cache, tmp_path, capfd):

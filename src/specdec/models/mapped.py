@@ -37,7 +37,9 @@ import mmap
 import os
 import shutil
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -58,6 +60,7 @@ WEIGHTS, MANIFEST, USED = "weights.bin", "manifest.json", "used"
 _TAIL_BYTES = 1 << 16  # the part of each file hashed into the manifest (the size catches a cut)
 _ALIGN_SMALL, _ALIGN_LARGE = 64, 4096  # offsets of tensors in weights.bin: cache lines, pages from 1 MiB
 _SHOW_AFTER_S = 2.0  # a load that takes longer than this shows its progress
+_READ_THREADS = 4  # at most: a warm load's reads scale with cores (`_Reader`), and a few saturate memory
 
 
 def subdir() -> Path:
@@ -298,18 +301,57 @@ def _mapped_tensors(folder: Path, manifest: dict):
     return out  # (each view holds the mapping open; it closes with the last of them)
 
 
-def _read(fd: int, offset: int, out: torch.Tensor, progress: Progress, done: list[int]) -> torch.Tensor:
-    """Read `out`'s bytes from the file at `offset`, 64 MiB a call (so a long load shows progress)."""
-    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got : got + (64 << 20)]], offset + got)
-        if n <= 0:
-            raise ModelLoadError("the cache entry's weights.bin ends inside a table (cut?)")
-        got += n
-        done[0] += n
-        progress(done[0])
-    return out
+class _Reader:
+    """Reads tables' bytes from weights.bin into their buffers on a few threads, 64 MiB a piece.
+
+    Why threads: a warm load's reads are mostly the kernel's work of faulting in fresh huge pages and
+    copying the page cache into them, one core's worth per reading thread, and nothing uses a table
+    before the load ends (`finish`), so the pieces may land in any order. A cold file reads from
+    the disk the same way. Pieces are small enough that the progress counter moves."""
+
+    PIECE = 64 << 20
+
+    def __init__(self, path: Path, offsets: dict, progress: Progress):
+        self.fd = os.open(path, os.O_RDONLY)
+        self.offsets, self.progress, self.done = offsets, progress, 0
+        self.lock = threading.Lock()
+        threads = max(1, min(_READ_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="specdec-load")
+        self.pending = []
+
+    def __call__(self, table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Put `table`'s bytes (a view of the mapping) into `out`, which is returned at once: its
+        bytes are there after `finish`."""
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        offset = self.offsets[id(table)]
+        for start in range(0, len(view), self.PIECE):
+            self.pending.append(self.pool.submit(self._piece, view[start : start + self.PIECE], offset + start))
+        return out
+
+    def _piece(self, view: memoryview, offset: int) -> None:
+        got = 0
+        while got < len(view):
+            n = os.preadv(self.fd, [view[got:]], offset + got)
+            if n <= 0:
+                raise ModelLoadError("the cache entry's weights.bin ends inside a table (cut?)")
+            got += n
+        with self.lock:
+            self.done += got
+            self.progress(self.done)
+
+    def finish(self) -> None:
+        """Wait for every read; the first that failed raises here."""
+        try:
+            for future in self.pending:
+                future.result()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _place(table: torch.Tensor, read, kernels) -> torch.Tensor:
@@ -387,19 +429,17 @@ def load_entry(folder: Path, dtype: torch.dtype, device) -> Transformer:
     mapped = _mapped_tensors(folder, manifest)
     offsets = {id(mapped[n]): entry["offset"] for n, entry in manifest["tensors"].items()}
     table_bytes = sum(t.numel() * t.element_size() for n, t in mapped.items() if n.endswith(".q"))
-    progress, done = Progress(f"loading {folder.name}", table_bytes), [0]
-    fd = os.open(folder / WEIGHTS, os.O_RDONLY)
+    progress = Progress(f"loading {folder.name}", table_bytes)
+    read = _Reader(folder / WEIGHTS, offsets, progress)
     try:
-        def read(table, out):  # table: a view of the mapping; out: where its bytes go
-            return _read(fd, offsets[id(table)], out, progress, done)
-
         _assemble(model, manifest, mapped, lambda t: _place(t, read, kernels), dtype)
         gather_small_tables(model, read)
         _own_the_rest(model, offsets, read)
+        read.finish()
     except ModelLoadError as exc:
         raise ModelLoadError(f"{folder}: {exc}") from exc
     finally:
-        os.close(fd)
+        read.close()
     del mapped, offsets
     progress.close()
     with contextlib.suppress(OSError):
