@@ -208,6 +208,32 @@ def test_a_windowed_draft_reads_the_prompts_start_and_end_and_stays_exact(peaky)
     assert drafter.cached_tokens == short[:-1]
 
 
+
+def test_a_prediction_rows_draft_reads_its_prompt_through_the_prediction_window(llama):
+    """A row with a prediction: its draft model (alone, or the learned part of lookup-first) reads
+    the prompt's first PROMPT_SINK tokens and its last `prediction.DRAFT_WINDOW`, for that request
+    only: the same drafter begun without a prediction reads the prompt whole. The output stays
+    plain's."""
+    from specdec.drafters.draft_model import PROMPT_SINK
+    from specdec.drafters.prediction import DRAFT_WINDOW, Prediction, PredictionDrafter, with_prediction
+
+    ids = prompts(1, length=PROMPT_SINK + DRAFT_WINDOW + 40)[0]
+    window = ids[:PROMPT_SINK] + ids[-DRAFT_WINDOW:]
+    for own in (DraftModelDrafter(llama, V), lookup_first(NgramDrafter(), DraftModelDrafter(llama, V))):
+        model = getattr(own, "learned", own)
+        row = with_prediction(PredictionDrafter(Prediction.of(Chars().decode(ids[-30:]), Chars()), Chars()), own)
+        row.begin(ids)
+        row.read(ids)
+        assert model.cached_tokens == window[:-1]  # the last token: read by the proposal
+        own.begin(ids)
+        own.read(ids)
+        assert model.cached_tokens == ids[:-1]
+    greedy = SamplingParams(ignore_eos=True)
+    plain = Engine(llama, Chars()).generate(prompt_ids=ids, max_new_tokens=30, sampling=greedy)
+    engine = Engine(llama, Chars(), drafter=own, num_speculative_tokens=5)
+    out = engine.generate(prompt_ids=ids, max_new_tokens=30, sampling=greedy, prediction=Chars().decode(ids[:40]))
+    assert out.token_ids == plain.token_ids
+
 # -- the draft's read of its context ------------------------------------------------------------
 
 

@@ -124,8 +124,8 @@ class TimedDrafter:
         self.name = inner.name
         self.seconds = 0.0
 
-    def begin(self, prompt_ids, sampling=None, generator=None) -> None:
-        self.inner.begin(prompt_ids, sampling, generator)
+    def begin(self, prompt_ids, sampling=None, generator=None, **options) -> None:
+        self.inner.begin(prompt_ids, sampling, generator, **options)  # options: a prompt window
 
     def _timed(self, method: str, *args, **options):
         start = time.perf_counter()

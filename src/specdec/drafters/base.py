@@ -207,6 +207,12 @@ class BatchDrafter(Protocol):
 class PromptReader(Protocol):
     """`needs.reads`."""
 
+    def begin(self, prompt_ids: list[int], sampling=None, generator=None, *, window: int | None = None) -> None:
+        """`Drafter.begin`, and for this request a prompt window: read only the prompt's first few
+        tokens and its last `window` (None: as the drafter was made). For a row whose output is
+        known to copy most of what it needs (a prediction, `prediction.DRAFT_WINDOW`)."""
+        ...
+
     def pending(self, context: list[int]) -> int:
         """Tokens of `context` the drafter must read (a model forward over them) before it can
         draft after it, beyond the few a proposal reads along with its first position: a draft

@@ -32,10 +32,12 @@ class LookupFirstDrafter(DrafterBase):
     (lookup's labels, LEARNED for the learned ones), observes what the learned part observes, and
     drafts trees when both parts do."""
 
-    def __init__(self, lookup, learned, fallback_k: int = 4):
+    def __init__(self, lookup, learned, fallback_k: int = 4, prompt_window: int | None = None):
         self.lookup = lookup
         self.learned = learned
         self.fallback_k = fallback_k
+        # The learned part's prompt window for this row (`PromptReader.begin`; None: its own).
+        self.prompt_window = prompt_window if learned.needs.reads else None
         self.name = f"{lookup.name}+{learned.name}"
         self.needs = combine_needs(lookup.needs, learned.needs)
         self._last = lookup
@@ -48,11 +50,14 @@ class LookupFirstDrafter(DrafterBase):
         return self.learned.reserve(rows, length)
 
     def spawn(self) -> "LookupFirstDrafter":
-        return LookupFirstDrafter(self.lookup.spawn(), self.learned.spawn(), self.fallback_k)
+        return LookupFirstDrafter(self.lookup.spawn(), self.learned.spawn(), self.fallback_k, self.prompt_window)
 
     def begin(self, prompt_ids: list[int], sampling=None, generator=None) -> None:
         self.lookup.begin(prompt_ids, sampling, generator)
-        self.learned.begin(prompt_ids, sampling, generator)
+        if self.prompt_window is None:
+            self.learned.begin(prompt_ids, sampling, generator)
+        else:
+            self.learned.begin(prompt_ids, sampling, generator, window=self.prompt_window)
         self._last = self.lookup
 
     def observe(self, hidden) -> None:

@@ -325,14 +325,19 @@ class DraftModelDrafter(DrafterBase):
         prompt_ids: list[int],
         sampling: SamplingParams | None = None,
         generator: torch.Generator | None = None,
+        *,
+        window: int | None = None,
     ) -> None:
+        """`window`: this request's prompt window (`PromptReader.begin`), the narrower of it and
+        the drafter's own."""
         self._sampling = sampling or SamplingParams()
         if generator is None and not self._sampling.greedy:
             generator = make_generator(self._sampling.seed, self.device)
         self._generator = generator
         self._cut = 0
-        if self.window is not None and len(prompt_ids) > PROMPT_SINK + self.window:
-            self._cut = len(prompt_ids) - self.window
+        window = self.window if window is None else min(window, self.window if self.window is not None else window)
+        if window is not None and len(prompt_ids) > PROMPT_SINK + window:
+            self._cut = len(prompt_ids) - window
         # A seeded sampled row starts empty: whether its prompt read pays (`policy.AskGate.reads`)
         # must not depend on what earlier requests left, or its seed would not fix its text.
         reuse = self._partition if self._sampling.greedy or self._sampling.seed is None else None

@@ -326,12 +326,22 @@ class PredictionFirst(DrafterBase):
         self.lookup.end(output_ids)
 
 
+# The prompt window of a prediction row's draft model (`PromptReader.begin`): it reads the prompt's
+# first tokens and its last DRAFT_WINDOW, not all of it. Its prompt read is its dearest act and comes
+# at the first line the output changes; by then the output itself holds the prediction's text up to
+# there (the part of an edit's prompt the read would mostly be about), so the middle of the prompt
+# tells the draft little. Acceptance only is at stake (BENCHMARKS.md, predicted outputs).
+DRAFT_WINDOW = 128
+
+
 def with_prediction(prediction: PredictionDrafter, drafter):
-    """The prediction first, the row's own drafter (or None) where it offers nothing: chains only."""
+    """The prediction first, the row's own drafter (or None) where it offers nothing: chains only.
+    A learned part that reads the prompt reads it through `DRAFT_WINDOW`."""
     if drafter is None:
         return prediction
     if drafter.needs.fallback:  # a lookup-first combination (`combined.LookupFirstDrafter`)
-        return LookupFirstDrafter(PredictionFirst(prediction, drafter.lookup), drafter.learned, drafter.fallback_k)
+        return LookupFirstDrafter(PredictionFirst(prediction, drafter.lookup), drafter.learned, drafter.fallback_k,
+                                  DRAFT_WINDOW)
     if drafter.needs.model or drafter.needs.observes is not None:
-        return LookupFirstDrafter(prediction, drafter)
+        return LookupFirstDrafter(prediction, drafter, prompt_window=DRAFT_WINDOW)
     return PredictionFirst(prediction, drafter)
