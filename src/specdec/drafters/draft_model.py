@@ -335,7 +335,8 @@ class DraftModelDrafter(DrafterBase):
             generator = make_generator(self._sampling.seed, self.device)
         self._generator = generator
         self._cut = 0
-        window = self.window if window is None else min(window, self.window if self.window is not None else window)
+        if window is None or (self.window is not None and self.window < window):
+            window = self.window
         if window is not None and len(prompt_ids) > PROMPT_SINK + window:
             self._cut = len(prompt_ids) - window
         # A seeded sampled row starts empty: whether its prompt read pays (`policy.AskGate.reads`)
