@@ -320,16 +320,9 @@ class DraftModelDrafter(DrafterBase):
                       ks: list[int]) -> list[Proposal]:
         return propose_batch(drafters, contexts, ks)
 
-    def begin(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams | None = None,
-        generator: torch.Generator | None = None,
-        *,
-        window: int | None = None,
-    ) -> None:
-        """`window`: this request's prompt window (`PromptReader.begin`), the narrower of it and
-        the drafter's own."""
+    def begin(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
+              generator: torch.Generator | None = None, *, window: int | None = None) -> None:
+        """`window`: this request's prompt window (`PromptReader.begin`); the drafter's own wins if narrower."""
         self._sampling = sampling or SamplingParams()
         if generator is None and not self._sampling.greedy:
             generator = make_generator(self._sampling.seed, self.device)
