@@ -208,7 +208,6 @@ def test_a_windowed_draft_reads_the_prompts_start_and_end_and_stays_exact(peaky)
     assert drafter.cached_tokens == short[:-1]
 
 
-
 def test_a_prediction_rows_draft_reads_its_prompt_through_the_prediction_window(llama):
     """A row with a prediction: its draft model (alone, or the learned part of lookup-first) reads
     the prompt's first PROMPT_SINK tokens and its last `prediction.DRAFT_WINDOW`, for that request
@@ -233,6 +232,7 @@ def test_a_prediction_rows_draft_reads_its_prompt_through_the_prediction_window(
     engine = Engine(llama, Chars(), drafter=own, num_speculative_tokens=5)
     out = engine.generate(prompt_ids=ids, max_new_tokens=30, sampling=greedy, prediction=Chars().decode(ids[:40]))
     assert out.token_ids == plain.token_ids
+
 
 # -- the draft's read of its context ------------------------------------------------------------
 

@@ -341,13 +341,11 @@ class _Reader:
 
     def finish(self) -> None:
         """Wait for every read; the first that failed raises here."""
-        try:
-            for future in self.pending:
-                future.result()
-        finally:
-            self.close()
+        for future in self.pending:
+            future.result()
 
     def close(self) -> None:
+        """Drop the reads not begun, wait for those under way, close the file."""
         self.pool.shutdown(wait=True, cancel_futures=True)
         if self.fd >= 0:
             os.close(self.fd)
