@@ -1185,7 +1185,6 @@ inline void int4_tile(const uint8_t* p, int64_t groups, const int8_t* v, const f
 #if !defined(SPECDEC_VNNI) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SPECDEC_INT4_AVX2 1
 constexpr int64_t kInt4PassRows = 6;  // rows a pass: 6 int16 sums + 6 totals, 1 weight operand, 2 constants
-constexpr int64_t kPrefetchRows = 3;  // as in the VNNI build: prefetch the next block from 3 rows a call
 // A chunk of rows (`int4_product_avx2`) holds at most this many bytes of inputs on the grid: it stays
 // in the core's L2 (512 KiB on Zen 2 and 3) while every block of weights goes past it.
 constexpr int64_t kInt4ChunkBytes = int64_t{192} << 10;
@@ -1200,54 +1199,93 @@ constexpr int64_t kInt4SpanGroups = 48;
 // up within int16 (<= 30480), so one vpmaddwd by ones gives S_g exactly, as vpdpbusd does: the same
 // integers, then the same float sequence. The totals A and B of row m, half h carry over from one
 // span of groups to the next at acc + 32 m + 16 h (A, then B: 8 floats each), so a product cut into
-// spans adds each output's terms in group order as one loop would. B runs in a loop of its own after
-// A's: the same fma chain per output, and A's loop has the registers for 6 rows (low nibbles for all
-// rows, then high ones: one weight operand at a time).
+// spans adds each output's terms in group order as one loop would.
+//
+// Half h of group gp's int16 sums for MT rows (row m's inputs at x + 8 m), low nibbles for all rows,
+// then high ones: one weight operand at a time.
+template <int MT>
+__attribute__((always_inline)) inline void int4_half_sums(const uint8_t* gp, int h, const int32_t* x, __m256i* sums) {
+  const __m256i nibble = _mm256_set1_epi8(15);
+  for (int m = 0; m < MT; ++m) sums[m] = _mm256_setzero_si256();
+  for (int u = 0; u < 4; ++u) {
+    const __m256i chunk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 64 * u + 32 * h));
+    const __m256i low = _mm256_and_si256(chunk, nibble);
+    for (int m = 0; m < MT; ++m) {
+      sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(low, _mm256_set1_epi32(x[8 * m + 2 * u])));
+      // Keep the sum in its register here: else GCC reorders the (associative) integer adds to
+      // compute all of a group's products first and spills most of them (the loop ran ~1.5x slower).
+      asm("" : "+x"(sums[m]));
+    }
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), nibble);
+    for (int m = 0; m < MT; ++m) {
+      sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(high, _mm256_set1_epi32(x[8 * m + 2 * u + 1])));
+      asm("" : "+x"(sums[m]));
+    }
+  }
+}
+
+// 1-2 rows (a decode step, the draft's positions): the product waits on memory, not on the multiply
+// units. Both halves of a group go in one sweep, B's fma beside A's, so every line of the block is
+// used as it arrives; a sweep of one half after the other left the memory idle while the second ran
+// over lines already in the L1. Each output's terms still add in group order.
+template <int MT>
+inline void int4_tile_few(const uint8_t* p, int64_t g0, int64_t g1, const int8_t* v, const float* xsum, float* acc,
+                          int halves, const uint8_t* ahead) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 total[2][MT], b_total[2][MT];
+  for (int h = 0; h < halves; ++h)
+    for (int m = 0; m < MT; ++m) {
+      total[h][m] = _mm256_loadu_ps(acc + 32 * m + 16 * h);
+      b_total[h][m] = _mm256_loadu_ps(acc + 32 * m + 16 * h + 8);
+    }
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* gp = p + g * kInt4GroupBytes;
+    if (ahead != nullptr)  // the same group of the next block: its 5 cache lines
+      for (int j = 0; j < 5; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + g * kInt4GroupBytes + 64 * j), _MM_HINT_T1);
+    const int32_t* x = reinterpret_cast<const int32_t*>(v + g * MT * kInt4Group);
+    for (int h = 0; h < halves; ++h) {
+      __m256i sums[MT];
+      int4_half_sums<MT>(gp, h, x, sums);
+      const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gp + 256 + 16 * h)));
+      const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gp + 288 + 16 * h)));
+      for (int m = 0; m < MT; ++m) {
+        total[h][m] = _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m], ones)), total[h][m]);
+        b_total[h][m] = _mm256_fmadd_ps(b, _mm256_set1_ps(xsum[g * MT + m]), b_total[h][m]);
+      }
+    }
+  }
+  for (int h = 0; h < halves; ++h)
+    for (int m = 0; m < MT; ++m) {
+      _mm256_storeu_ps(acc + 32 * m + 16 * h, total[h][m]);
+      _mm256_storeu_ps(acc + 32 * m + 16 * h + 8, b_total[h][m]);
+    }
+}
+
+// 3-6 rows: the multiply units are the limit. One half after the other, so A's loop has the
+// registers for 6 rows, and B in a loop of its own after A's (the same fma chain per output).
 template <int MT>
 inline void int4_tile(const uint8_t* p, int64_t g0, int64_t g1, const int8_t* v, const float* xsum, float* acc,
                       int halves, const uint8_t* ahead) {
-  constexpr bool kJoint = MT <= 2;  // B's fma in A's loop: registers enough, and 1-2 chains a half are slow alone
-  const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  if constexpr (MT <= 2) {
+    int4_tile_few<MT>(p, g0, g1, v, xsum, acc, halves, ahead);
+    return;
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < halves; ++h) {
-    __m256 total[MT], b_total[kJoint ? MT : 1];
+    __m256 total[MT];
     for (int m = 0; m < MT; ++m) total[m] = _mm256_loadu_ps(acc + 32 * m + 16 * h);
-    if (kJoint)
-      for (int m = 0; m < MT; ++m) b_total[m] = _mm256_loadu_ps(acc + 32 * m + 16 * h + 8);
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* gp = p + g * kInt4GroupBytes;
       if (h == 0 && ahead != nullptr)  // the same group of the next block: its 5 cache lines
         for (int j = 0; j < 5; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + g * kInt4GroupBytes + 64 * j), _MM_HINT_T1);
-      const int32_t* x = reinterpret_cast<const int32_t*>(v + g * MT * kInt4Group);  // row m: x + 8 m
       __m256i sums[MT];
-      for (int m = 0; m < MT; ++m) sums[m] = _mm256_setzero_si256();
-      for (int u = 0; u < 4; ++u) {
-        const __m256i chunk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 64 * u + 32 * h));
-        const __m256i low = _mm256_and_si256(chunk, nibble);
-        for (int m = 0; m < MT; ++m) {
-          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(low, _mm256_set1_epi32(x[8 * m + 2 * u])));
-          // Keep the sum in its register here: else GCC reorders the (associative) integer adds to
-          // compute all of a group's products first and spills most of them (the loop ran ~1.5x slower).
-          asm("" : "+x"(sums[m]));
-        }
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), nibble);
-        for (int m = 0; m < MT; ++m) {
-          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(high, _mm256_set1_epi32(x[8 * m + 2 * u + 1])));
-          asm("" : "+x"(sums[m]));
-        }
-      }
+      int4_half_sums<MT>(gp, h, reinterpret_cast<const int32_t*>(v + g * MT * kInt4Group), sums);
       const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gp + 256 + 16 * h)));
       for (int m = 0; m < MT; ++m)
         total[m] = _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m], ones)), total[m]);
-      if (kJoint) {
-        const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gp + 288 + 16 * h)));
-        for (int m = 0; m < MT; ++m) b_total[m] = _mm256_fmadd_ps(b, _mm256_set1_ps(xsum[g * MT + m]), b_total[m]);
-      }
     }
     for (int m = 0; m < MT; ++m) _mm256_storeu_ps(acc + 32 * m + 16 * h, total[m]);
-    if (kJoint)
-      for (int m = 0; m < MT; ++m) _mm256_storeu_ps(acc + 32 * m + 16 * h + 8, b_total[m]);
   }
-  if (kJoint) return;
   // B of both halves at once: 2 MT independent chains keep the two FMA pipes busy.
   __m256 b_total[2 * MT];
   for (int m = 0; m < MT; ++m)
@@ -1290,7 +1328,7 @@ inline void int4_block_avx2(const uint8_t* p, const uint8_t* ahead, int64_t grou
   acc.assign(32 * n, 0.0f);
   for (int64_t g0 = 0; g0 < groups; g0 += kInt4SpanGroups) {
     const int64_t g1 = std::min(groups, g0 + kInt4SpanGroups);
-    const uint8_t* ask = n >= kPrefetchRows ? ahead : nullptr;
+    const uint8_t* ask = ahead;  // the next block's lines, during the first pass (any number of rows)
     for (const Int4Pass* pass = c0; pass < c1; ++pass, ask = nullptr) {
       const int8_t* vm = rows.v + pass->m0 * kp;
       const float* xm = rows.sums.data() + pass->m0 * groups;
