@@ -24,13 +24,14 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "src/specdec/models/cpu_kernels.cpp"
 
 
-def build(rev: str | None, tag: str, folder: Path):
+def build(rev: str | None, tag: str, folder: Path, name: str = "attention_ab"):
+    """`cpu_kernels.cpp` at git revision `rev` (None: the working tree), compiled as module name_tag."""
     text = (ROOT / SOURCE).read_text() if rev is None else subprocess.run(
         ["git", "-C", str(ROOT), "show", f"{rev}:{SOURCE}"], check=True, capture_output=True, text=True).stdout
     (folder / tag).mkdir()
-    source = folder / tag / f"attention_ab_{tag}.cpp"
+    source = folder / tag / f"{name}_{tag}.cpp"
     source.write_text(text)
-    return cpp_extension.load(name=f"attention_ab_{tag}", sources=[str(source)], extra_cflags=cpu_kernels.CFLAGS,
+    return cpp_extension.load(name=f"{name}_{tag}", sources=[str(source)], extra_cflags=cpu_kernels.CFLAGS,
                               extra_ldflags=cpu_kernels.LDFLAGS, build_directory=str(folder / tag), verbose=False)
 
 

@@ -14,29 +14,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
+from attention_ab import build  # this folder's: one build of cpu_kernels.cpp at a revision
 
 from specdec.models import cpu_kernels
 
-ROOT = Path(__file__).resolve().parent.parent
-SOURCE = "src/specdec/models/cpu_kernels.cpp"
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]  # (out, in): qkv, o, gate+up, down
-
-
-def build(rev: str | None, tag: str, folder: Path):
-    text = (ROOT / SOURCE).read_text() if rev is None else subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:{SOURCE}"], check=True, capture_output=True, text=True).stdout
-    (folder / tag).mkdir()
-    source = folder / tag / f"int4_ab_{tag}.cpp"
-    source.write_text(text)
-    return cpp_extension.load(name=f"int4_ab_{tag}", sources=[str(source)], extra_cflags=cpu_kernels.CFLAGS,
-                              extra_ldflags=cpu_kernels.LDFLAGS, build_directory=str(folder / tag), verbose=False)
 
 
 def alternate(builds: list, run, rounds: int) -> tuple[float, float]:
@@ -106,7 +93,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     with tempfile.TemporaryDirectory() as folder:
-        builds = [build(args.old, "old", Path(folder)), build(args.new, "new", Path(folder))]
+        builds = [build(args.old, "old", Path(folder), "int4_ab"), build(args.new, "new", Path(folder), "int4_ab")]
     print(f"int4 path: {builds[1].int4_path()}, {args.threads} threads")
     if args.model:
         model_steps(builds, rows, args.model)
