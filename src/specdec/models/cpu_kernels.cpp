@@ -1266,10 +1266,7 @@ inline void int4_tile_few(const uint8_t* p, int64_t g0, int64_t g1, const int8_t
 template <int MT>
 inline void int4_tile(const uint8_t* p, int64_t g0, int64_t g1, const int8_t* v, const float* xsum, float* acc,
                       int halves, const uint8_t* ahead) {
-  if constexpr (MT <= 2) {
-    int4_tile_few<MT>(p, g0, g1, v, xsum, acc, halves, ahead);
-    return;
-  }
+  static_assert(MT >= 3, "int4_tile: 1-2 rows take int4_tile_few");
   const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < halves; ++h) {
     __m256 total[MT];
@@ -1335,8 +1332,9 @@ inline void int4_block_avx2(const uint8_t* p, const uint8_t* ahead, int64_t grou
       float* am = acc.data() + 32 * (pass->m0 - first);
       switch (pass->size) {
 #define SPECDEC_CASE(S) case S: int4_tile<S>(p, g0, g1, vm, xm, am, halves, ask); break;
-        SPECDEC_CASE(6) SPECDEC_CASE(5) SPECDEC_CASE(4) SPECDEC_CASE(3) SPECDEC_CASE(2)
-        default: int4_tile<1>(p, g0, g1, vm, xm, am, halves, ask); break;
+        SPECDEC_CASE(6) SPECDEC_CASE(5) SPECDEC_CASE(4) SPECDEC_CASE(3)
+        case 2: int4_tile_few<2>(p, g0, g1, vm, xm, am, halves, ask); break;
+        default: int4_tile_few<1>(p, g0, g1, vm, xm, am, halves, ask); break;
 #undef SPECDEC_CASE
       }
     }

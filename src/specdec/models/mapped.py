@@ -315,7 +315,8 @@ class _Reader:
         self.fd = os.open(path, os.O_RDONLY)
         self.offsets, self.progress, self.done = offsets, progress, 0
         self.lock = threading.Lock()
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS: no affinity
+        # The cores this process may use; where there is no affinity call (macOS), the machine's.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = max(1, min(_READ_THREADS, cores or 1))
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="specdec-load")
         self.pending = []
